@@ -1,0 +1,92 @@
+"""Draft-model drafter: a separate small LM with its own KV cache guesses k tokens.
+
+The draft cache is kept in step with the context by comparing token lists: on each
+``propose`` it rolls back to the longest common prefix of what it has seen and the new
+context, then feeds the rest (usually the target's own token, plus the last draft when all
+drafts were accepted — the classic corner case handled without a special branch).
+
+Drafting stops early when the draft is unsure: once the probability of its own best guess
+falls below ``confidence_threshold`` it proposes nothing further, since such a token is likely
+rejected and each draft pass costs a sizeable fraction of a target pass on a CPU.
+Vocabularies padded to different sizes are handled by padding q to the target's vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from localspec.drafters.base import Proposal
+from localspec.runner import ModelRunner
+from localspec.verify import SamplingParams, logits_to_probs, sample
+
+
+class DraftModelDrafter:
+    """Autoregressive drafting with a small model of the same tokenizer."""
+
+    name = "draft_model"
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        target_vocab_size: int,
+        tokenizer_vocab_size: int,
+        confidence_threshold: float = 0.0,
+    ) -> None:
+        self.runner = runner
+        self.target_vocab_size = target_vocab_size
+        # Rows past the tokenizer's vocabulary are padding: never draft them.
+        self.valid_vocab = min(tokenizer_vocab_size, runner.vocab_size, target_vocab_size)
+        self.confidence_threshold = confidence_threshold
+        self._seen: list[int] = []  # tokens whose K/V sit in the draft cache
+
+    def reset(self) -> None:
+        self.runner.reset()
+        self._seen = []
+
+    def _sync(self, context: list[int]) -> list[int]:
+        """Crop the cache to the common prefix with ``context``; return tokens still to feed."""
+        common = 0
+        limit = min(len(self._seen), len(context) - 1)  # always feed >= 1 token for logits
+        while common < limit and self._seen[common] == context[common]:
+            common += 1
+        self.runner.crop(common)
+        self._seen = self._seen[:common]
+        return context[common:]
+
+    def _to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """[vocab_draft] -> [vocab_target] logits, padding rows masked out."""
+        out = torch.full((self.target_vocab_size,), float("-inf"))
+        out[: self.valid_vocab] = logits[: self.valid_vocab]
+        return out
+
+    def propose(
+        self,
+        context: list[int],
+        k: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+    ) -> Proposal:
+        if k <= 0:
+            return Proposal([])
+        feed = self._sync(context)
+        tokens: list[int] = []
+        q_rows: list[torch.Tensor] = []
+        confidences: list[float] = []
+        for _ in range(k):
+            logits = self._to_target_vocab(self.runner.forward(feed, logits_to_keep=1)[-1])
+            self._seen.extend(feed)
+            if params.greedy:
+                probs = torch.softmax(logits, dim=-1)
+                token = int(probs.argmax())
+            else:
+                probs = logits_to_probs(logits[None], params)[0]
+                token = sample(probs, generator)
+            confidence = float(probs.max())
+            if tokens and confidence < self.confidence_threshold:
+                break
+            tokens.append(token)
+            q_rows.append(probs)
+            confidences.append(float(probs[token]))
+            feed = [token]
+        q_draft = None if params.greedy else torch.stack(q_rows)
+        return Proposal(tokens, q_draft, tuple(confidences))

@@ -1,0 +1,63 @@
+"""N-gram / prompt-lookup drafter: copy what followed the last time the context's tail appeared.
+
+Looks for the most recent earlier occurrence of the context's last n tokens, trying n from
+``prompt_lookup_max`` down to ``prompt_lookup_min`` (longest match first, as vLLM does), and
+proposes the tokens that followed it. Costs no model pass, so it shines when the answer repeats
+the prompt (code editing, summaries quoting the source) and proposes nothing otherwise.
+Deterministic: ``q_draft`` is None (a one-hot draft).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from localspec.drafters.base import Proposal
+from localspec.verify import SamplingParams
+
+
+def find_ngram_continuation(
+    context: list[int] | np.ndarray, k: int, max_n: int, min_n: int
+) -> list[int]:
+    """Up to ``k`` tokens that followed the latest earlier match of the context's tail."""
+    tokens = np.asarray(context, dtype=np.int64)
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        tail = tokens[length - n :]
+        # Windows starting at 0 .. length - n - 1: every earlier occurrence of the tail.
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)
+        hits = np.flatnonzero((windows == tail).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return tokens[start : start + k].tolist()
+    return []
+
+
+class NgramDrafter:
+    """Prompt lookup over prompt + generated text."""
+
+    name = "ngram"
+
+    def __init__(self, prompt_lookup_max: int = 4, prompt_lookup_min: int = 1) -> None:
+        if not 1 <= prompt_lookup_min <= prompt_lookup_max:
+            raise ValueError(
+                "need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                f"min={prompt_lookup_min}, max={prompt_lookup_max}"
+            )
+        self.prompt_lookup_max = prompt_lookup_max
+        self.prompt_lookup_min = prompt_lookup_min
+
+    def reset(self) -> None:
+        """Stateless: the context is searched afresh each step."""
+
+    def propose(
+        self,
+        context: list[int],
+        k: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+    ) -> Proposal:
+        if k <= 0:
+            return Proposal([])
+        tokens = find_ngram_continuation(context, k, self.prompt_lookup_max, self.prompt_lookup_min)
+        return Proposal(tokens, None, tuple(1.0 for _ in tokens))

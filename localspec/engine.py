@@ -1,0 +1,232 @@
+"""The speculative engine: draft, verify in one target pass, stream one event per step.
+
+One sequence at a time. The target's cache always holds every token but the last one (the
+"pending" token the target has not consumed yet). A step feeds ``[pending] + drafts`` in one
+forward pass, which yields k + 1 rows of logits; the verifier keeps a prefix of the drafts and
+appends the target's own token; the cache is cropped back past the rejected drafts. With no
+drafter (method "none") the very same loop is plain decoding, so it is the reference for
+equality and speed.
+
+The engine knows token ids and asks the tokenizer only to decode text deltas; it does not
+apply chat templates, load models or render anything.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from localspec.adaptive import AdaptiveK
+from localspec.drafters.base import Drafter, Proposal
+from localspec.runner import ModelRunner
+from localspec.verify import SamplingParams, Verdict, logits_to_probs, verify_greedy, verify_sampling
+
+MAX_SPECULATIVE_TOKENS = 32
+
+
+class GenerationError(ValueError):
+    """A request the engine cannot serve (prompt too long, k out of range, ...)."""
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """Everything one generation needs besides the models."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int = 256
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    num_speculative_tokens: int = 5
+    adaptive: bool = True
+    stop_strings: tuple[str, ...] = ()
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """What happened in one target forward pass.
+
+    ``tokens`` are the ids appended to the output this step: ``drafted[:accepted]`` followed by
+    the target's own token, cut short when generation stops inside the run.
+    """
+
+    step: int
+    k: int  # draft length asked of the drafter
+    drafted: tuple[int, ...]
+    accepted: int
+    target_token: int | None  # recovered (after a rejection) or bonus token; None if cut off
+    target_token_kind: str  # "recovered" | "bonus"
+    tokens: tuple[int, ...]
+    p_target: tuple[float, ...]  # p(token) under the target for each of ``tokens``
+    q_draft: tuple[float, ...]  # q(token) under the drafter for each drafted token
+    text_delta: str
+    draft_time: float
+    verify_time: float
+    finish_reason: str | None = None  # "eos" | "stop" | "length" | "cancelled" | None
+
+    @property
+    def rejected(self) -> tuple[int, ...]:
+        return self.drafted[self.accepted :]
+
+
+class _TextStream:
+    """UTF-8-safe incremental decoding: emit text only once it no longer ends mid-character."""
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self.decode = decode
+        self.ids: list[int] = []
+        self.text = ""
+
+    def push(self, ids: list[int], final: bool = False) -> str:
+        self.ids.extend(ids)
+        text = self.decode(self.ids)
+        if text.endswith("\ufffd") and not final:
+            return ""
+        delta, self.text = text[len(self.text) :], text
+        return delta
+
+
+class SpeculativeEngine:
+    """Streams generation of a target model, optionally sped up by a drafter."""
+
+    def __init__(
+        self,
+        target: ModelRunner,
+        drafter: Drafter | None,
+        decode: Callable[[list[int]], str],
+        eos_token_ids: set[int],
+    ) -> None:
+        self.target = target
+        self.drafter = drafter
+        self.decode = decode
+        self.eos_token_ids = set(eos_token_ids)
+
+    def _check(self, request: GenerationRequest) -> int:
+        """Validate a request; return the number of new tokens that fit in the context."""
+        if not request.prompt_ids:
+            raise GenerationError("the prompt is empty: nothing to continue")
+        if request.max_new_tokens < 1:
+            raise GenerationError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
+        k = request.num_speculative_tokens
+        if self.drafter is not None and not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise GenerationError(
+                f"num_speculative_tokens must be between 1 and {MAX_SPECULATIVE_TOKENS}, got {k}"
+            )
+        limit = self.target.max_length
+        if limit and len(request.prompt_ids) >= limit:
+            raise GenerationError(
+                f"the prompt is {len(request.prompt_ids)} tokens but the model's context holds "
+                f"{limit}: shorten the conversation or start a new one"
+            )
+        room = limit - len(request.prompt_ids) - (k + 1) if limit else request.max_new_tokens
+        return max(1, min(request.max_new_tokens, room))
+
+    def generate(
+        self, request: GenerationRequest, cancelled: Callable[[], bool] = lambda: False
+    ) -> Iterator[StepEvent]:
+        """Yield one StepEvent per target forward pass until a stop condition."""
+        max_new = self._check(request)
+        params = request.sampling
+        generator = torch.Generator().manual_seed(request.seed)
+        k_max = request.num_speculative_tokens if self.drafter is not None else 0
+        controller = AdaptiveK(k_max=k_max, enabled=request.adaptive)
+        stream = _TextStream(self.decode)
+        stop_strings = tuple(s for s in request.stop_strings if s)
+
+        self.target.reset()
+        if self.drafter is not None:
+            self.drafter.reset()
+        context = list(request.prompt_ids)
+        if len(context) > 1:
+            self.target.forward(context[:-1], logits_to_keep=1)
+        generated = 0
+        step = 0
+        while True:
+            step += 1
+            if cancelled():
+                yield self._final_event(step, stream, "cancelled")
+                return
+            k = min(controller.choose(), max_new - generated)
+            t0 = time.perf_counter()
+            proposal = (
+                self.drafter.propose(context, k, params, generator)
+                if self.drafter is not None and k > 0
+                else Proposal([])
+            )
+            t1 = time.perf_counter()
+            drafts = proposal.tokens[:k]
+            logits = self.target.forward([context[-1], *drafts])  # [len(drafts) + 1, vocab]
+            verdict, p_rows = self._verify(logits, proposal, drafts, params, generator)
+            t2 = time.perf_counter()
+            # Keep the pending token and the accepted drafts; the target's token becomes pending.
+            self.target.crop(len(context) + verdict.num_accepted)
+            controller.update(len(drafts), verdict.num_accepted, t1 - t0, t2 - t1)
+
+            new_tokens = [*drafts[: verdict.num_accepted], verdict.token]
+            kept, finish = self._cut(new_tokens, generated, max_new)
+            context.extend(kept)
+            generated += len(kept)
+            delta = stream.push(kept, final=finish is not None)
+            if stop_strings and finish is None:
+                delta, finish = self._apply_stop_strings(stream, delta, stop_strings)
+            yield StepEvent(
+                step=step,
+                k=k,
+                drafted=tuple(drafts),
+                accepted=verdict.num_accepted,
+                target_token=verdict.token if len(kept) == len(new_tokens) else None,
+                target_token_kind="bonus" if verdict.is_bonus else "recovered",
+                tokens=tuple(kept),
+                p_target=tuple(float(p_rows[i, t]) for i, t in enumerate(kept)),
+                q_draft=tuple(proposal.confidences[: len(drafts)]),
+                text_delta=delta,
+                draft_time=t1 - t0,
+                verify_time=t2 - t1,
+                finish_reason=finish,
+            )
+            if finish is not None:
+                return
+
+    def _verify(
+        self,
+        logits: torch.Tensor,
+        proposal: Proposal,
+        drafts: list[int],
+        params: SamplingParams,
+        generator: torch.Generator,
+    ) -> tuple[Verdict, torch.Tensor]:
+        """Run the verifier; also return target probabilities per row for the event."""
+        if params.greedy:
+            return verify_greedy(logits, drafts), torch.softmax(logits, dim=-1)
+        p_target = logits_to_probs(logits, params)  # [k + 1, vocab]
+        q_draft = proposal.q_draft[: len(drafts)] if proposal.q_draft is not None else None
+        return verify_sampling(p_target, q_draft, drafts, generator), p_target
+
+    def _cut(self, new_tokens: list[int], generated: int, max_new: int) -> tuple[list[int], str | None]:
+        """Stop inside an accepted run at EOS or at max_new_tokens."""
+        for i, token in enumerate(new_tokens):
+            if token in self.eos_token_ids:
+                return new_tokens[: i + 1], "eos"
+            if generated + i + 1 >= max_new:
+                return new_tokens[: i + 1], "length"
+        return new_tokens, None
+
+    @staticmethod
+    def _apply_stop_strings(
+        stream: _TextStream, delta: str, stop_strings: tuple[str, ...]
+    ) -> tuple[str, str | None]:
+        """Cut the text at the first stop string that the newest delta completes."""
+        text = stream.text
+        window_start = len(text) - len(delta) - max(len(s) for s in stop_strings)
+        hits = [i for s in stop_strings if (i := text.find(s, max(0, window_start))) >= 0]
+        if not hits:
+            return delta, None
+        cut = min(hits)
+        stream.text = text[:cut]
+        return delta[: max(0, cut - (len(text) - len(delta)))], "stop"
+
+    @staticmethod
+    def _final_event(step: int, stream: _TextStream, reason: str) -> StepEvent:
+        return StepEvent(step, 0, (), 0, None, "bonus", (), (), (), "", 0.0, 0.0, reason)

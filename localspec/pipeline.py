@@ -1,0 +1,150 @@
+"""A loaded preset: target and draft models, and engines for each method over them.
+
+The CLI, the benchmark and the app all go through here, so a model is loaded once and shared by
+every method ("none", "draft_model", "ngram") that a comparison runs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from localspec.drafters.base import Drafter
+from localspec.drafters.draft_model import DraftModelDrafter
+from localspec.drafters.ngram import NgramDrafter
+from localspec.engine import GenerationRequest, SpeculativeEngine, StepEvent
+from localspec.models import LoadedModel, Progress, check_same_tokenizer, load_model
+from localspec.presets import METHODS, Preset, PresetError
+from localspec.runner import ModelRunner
+from localspec.stats import GenerationStats
+from localspec.verify import SamplingParams
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    events: list[StepEvent]
+    stats: GenerationStats
+    finish_reason: str | None
+
+
+@dataclass
+class Pipeline:
+    """Models of one preset, loaded once, and an engine per speculative method."""
+
+    preset: Preset
+    target: LoadedModel
+    draft: LoadedModel | None
+    _engines: dict[str, SpeculativeEngine] = field(default_factory=dict)
+    _runner: ModelRunner | None = None
+
+    @classmethod
+    def load(cls, preset: Preset, progress: Progress | None = None,
+             load_draft: bool = True) -> Pipeline:
+        kwargs = {} if progress is None else {"progress": progress}
+        target = load_model(preset.target_spec(), **kwargs)
+        draft_spec = preset.draft_spec()
+        draft = None
+        if draft_spec is not None and load_draft:
+            draft = load_model(draft_spec, **kwargs)
+            check_same_tokenizer(target, draft)
+        return cls(preset, target, draft)
+
+    @property
+    def tokenizer(self):  # noqa: ANN201 - a transformers tokenizer
+        return self.target.tokenizer
+
+    def eos_token_ids(self) -> set[int]:
+        ids = set()
+        eos = self.target.model.generation_config.eos_token_id
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Messages through the model's chat template, ready for the assistant's answer."""
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                  tokenize=False)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def encode_prompt(self, prompt: str, raw: bool = False) -> list[int]:
+        if raw:
+            return self.tokenizer.encode(prompt)
+        return self.encode_chat([{"role": "user", "content": prompt}])
+
+    def _target_runner(self) -> ModelRunner:
+        if self._runner is None:
+            self._runner = ModelRunner(self.target.model,
+                                       logits_fp32=self.preset.localspec.logits_fp32)
+        return self._runner
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _make_drafter(self, method: str) -> Drafter | None:
+        sc = self.preset.speculative_config
+        if method == "none":
+            return None
+        if method == "ngram":
+            return NgramDrafter(sc.prompt_lookup_max, sc.prompt_lookup_min)
+        if self.draft is None:
+            raise PresetError(f"method 'draft_model' needs a draft model, and preset "
+                              f"'{self.preset.name}' names none in [speculative_config] model")
+        runner = ModelRunner(self.draft.model)
+        return DraftModelDrafter(
+            runner,
+            target_vocab_size=self._target_runner().vocab_size,
+            tokenizer_vocab_size=len(self.tokenizer),
+            confidence_threshold=self.preset.localspec.draft_confidence_threshold,
+        )
+
+    def engine(self, method: str | None = None) -> SpeculativeEngine:
+        """The engine for ``method`` (default: the preset's), sharing the target's runner."""
+        method = method or self.preset.speculative_config.method
+        if method not in METHODS:
+            raise PresetError(f"unknown method '{method}': choose one of {', '.join(METHODS)}")
+        if method not in self._engines:
+            self._engines[method] = SpeculativeEngine(
+                self._target_runner(), self._make_drafter(method), self._decode,
+                self.eos_token_ids())
+        return self._engines[method]
+
+    def request(self, prompt_ids: list[int], **overrides: object) -> GenerationRequest:
+        """A request with the preset's settings, any of them overridden by keyword."""
+        s, sc, ls = self.preset.sampling, self.preset.speculative_config, self.preset.localspec
+        values: dict[str, object] = {
+            "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
+            "max_new_tokens": s.max_new_tokens, "seed": s.seed,
+            "num_speculative_tokens": sc.num_speculative_tokens, "adaptive": ls.adaptive_k,
+        }
+        unknown = set(overrides) - set(values) - {"stop_strings"}
+        if unknown:
+            raise TypeError(f"unknown request settings: {', '.join(sorted(unknown))}")
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        sampling = SamplingParams(float(values.pop("temperature")), int(values.pop("top_k")),
+                                  float(values.pop("top_p")))
+        return GenerationRequest(prompt_ids=prompt_ids, sampling=sampling, **values)
+
+    def stream(self, request: GenerationRequest, method: str | None = None,
+               cancelled: Callable[[], bool] = lambda: False) -> Iterator[StepEvent]:
+        return self.engine(method).generate(request, cancelled)
+
+    def run(self, request: GenerationRequest, method: str | None = None,
+            on_event: Callable[[StepEvent], None] | None = None) -> GenerationResult:
+        """Generate to the end; collect events, text and stats."""
+        stats = GenerationStats()
+        events: list[StepEvent] = []
+        start = time.perf_counter()
+        for event in self.stream(request, method):
+            events.append(event)
+            stats.add(event)
+            if on_event is not None:
+                on_event(event)
+        stats.wall_time = time.perf_counter() - start
+        token_ids = [t for e in events for t in e.tokens]
+        text = "".join(e.text_delta for e in events)
+        finish = events[-1].finish_reason if events else None
+        return GenerationResult(text, token_ids, events, stats, finish)
