@@ -1,0 +1,204 @@
+"""Benchmark: every method on every prompt, interleaved, in one process, on models loaded once.
+
+Methods: our engine's ``none`` (plain decoding, the baseline), ``draft_model`` and ``ngram``;
+transformers' own ``hf-assisted`` (``generate(assistant_model=...)``), ``hf-lookup``
+(``generate(prompt_lookup_num_tokens=...)``) and ``hf-plain`` (plain ``generate``), run on the
+same loaded weights as anchors. Greedy only: that is where "identical to none" is defined.
+Each method runs once on each prompt before any runs twice, so drift in machine speed (heat,
+other processes) spreads over all methods instead of favouring one.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from localspec.pipeline import Pipeline
+
+HF_METHODS = ("hf-assisted", "hf-lookup", "hf-plain")
+OUR_METHODS = ("none", "draft_model", "ngram")
+
+
+def load_prompts(path: str | None) -> list[dict[str, Any]]:
+    """JSONL lines ``{"prompt": ...}`` or ``{"messages": [...]}``, optional ``"category"``."""
+    if path is None:
+        text = resources.files("localspec").joinpath("data/bench_prompts.jsonl").read_text("utf-8")
+        where = "built-in prompts"
+    else:
+        text, where = Path(path).read_text(encoding="utf-8"), path
+    prompts = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where} line {number}: not JSON: {exc}") from exc
+        if not isinstance(row, dict) or not ("prompt" in row or "messages" in row):
+            raise ValueError(f"{where} line {number}: need a 'prompt' or 'messages' key")
+        prompts.append(row)
+    if not prompts:
+        raise ValueError(f"{where}: no prompts")
+    return prompts
+
+
+def encode(pipe: Pipeline, row: dict[str, Any]) -> list[int]:
+    if "messages" in row:
+        return pipe.encode_chat(row["messages"])
+    return pipe.encode_prompt(row["prompt"])
+
+
+class _CallCounter:
+    """Counts forward calls of a module (transformers' generate hides its step count)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.calls = 0
+        self._handle = module.register_forward_hook(self._hook)
+
+    def _hook(self, *_: object) -> None:
+        self.calls += 1
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
+def _run_hf(pipe: Pipeline, method: str, prompt_ids: list[int], max_new: int) -> dict[str, Any]:
+    model = pipe.target.model
+    sc = pipe.preset.speculative_config
+    kwargs: dict[str, Any] = {}
+    if method == "hf-assisted":
+        if pipe.draft is None:
+            raise ValueError("hf-assisted needs a preset with a draft model")
+        kwargs["assistant_model"] = pipe.draft.model
+    elif method == "hf-lookup":
+        kwargs["prompt_lookup_num_tokens"] = sc.num_speculative_tokens
+        kwargs["max_matching_ngram_size"] = sc.prompt_lookup_max
+    ids = torch.tensor([prompt_ids], device=model.device)
+    counter = _CallCounter(model)
+    start = time.perf_counter()
+    try:
+        with torch.inference_mode():
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
+                temperature=None, top_p=None, top_k=None,
+                pad_token_id=pipe.tokenizer.pad_token_id or pipe.tokenizer.eos_token_id,
+                eos_token_id=sorted(pipe.eos_token_ids()), **kwargs)
+    finally:
+        counter.remove()
+    wall = time.perf_counter() - start
+    tokens = out[0, len(prompt_ids):].tolist()
+    passes = max(1, counter.calls - 1)  # the first call is the prefill
+    return {"token_ids": tokens, "tokens_per_second": len(tokens) / wall, "wall_time_s": wall,
+            "acceptance_rate": None, "mean_accepted_length": len(tokens) / passes,
+            "target_forward_passes": passes}
+
+
+def _run_ours(pipe: Pipeline, method: str, prompt_ids: list[int], max_new: int) -> dict[str, Any]:
+    result = pipe.run(pipe.request(prompt_ids, max_new_tokens=max_new, temperature=0.0), method)
+    s = result.stats
+    return {"token_ids": result.token_ids, "tokens_per_second": s.tokens_per_second,
+            "wall_time_s": s.wall_time, "acceptance_rate": s.acceptance_rate,
+            "mean_accepted_length": s.mean_accepted_length,
+            "target_forward_passes": s.target_forward_passes}
+
+
+def run_bench(
+    pipe: Pipeline,
+    prompts: list[dict[str, Any]],
+    methods: list[str],
+    max_new_tokens: int,
+    repeats: int = 1,
+    log: Callable[[str], None] = lambda _line: None,
+) -> dict[str, Any]:
+    """Run all methods on all prompts ``repeats`` times; summarise per method."""
+    unknown = [m for m in methods if m not in OUR_METHODS + HF_METHODS]
+    if unknown:
+        raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from "
+                         f"{', '.join(OUR_METHODS + HF_METHODS)}")
+    if "none" not in methods:
+        methods = ["none", *methods]
+    encoded = [encode(pipe, row) for row in prompts]
+    # Warm-up: first calls pay for allocations and lazy initialisation.
+    _run_ours(pipe, "none", encoded[0], 4)
+    runs: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    for rep in range(repeats):
+        for i, prompt_ids in enumerate(encoded):
+            for method in methods:
+                runner = _run_hf if method in HF_METHODS else _run_ours
+                run = runner(pipe, method, prompt_ids, max_new_tokens)
+                runs.setdefault((i, method), []).append(run)
+                log(f"[{rep + 1}/{repeats}] prompt {i + 1}/{len(encoded)} {method:12s} "
+                    f"{run['tokens_per_second']:6.2f} tok/s  {len(run['token_ids'])} tokens")
+    return summarise(prompts, methods, runs)
+
+
+def summarise(prompts: list[dict[str, Any]], methods: list[str],
+              runs: dict[tuple[int, str], list[dict[str, Any]]]) -> dict[str, Any]:
+    per_prompt = []
+    for i, row in enumerate(prompts):
+        reference = runs[(i, "none")][0]["token_ids"]
+        detail: dict[str, Any] = {"category": row.get("category", ""), "methods": {}}
+        for method in methods:
+            rs = runs[(i, method)]
+            first_diff = next((j for j, (a, b) in enumerate(zip(rs[0]["token_ids"], reference))
+                               if a != b), None)
+            if first_diff is None and len(rs[0]["token_ids"]) != len(reference):
+                first_diff = min(len(rs[0]["token_ids"]), len(reference))
+            detail["methods"][method] = {
+                "tokens_per_second": statistics.median(r["tokens_per_second"] for r in rs),
+                "acceptance_rate": rs[0]["acceptance_rate"],
+                "mean_accepted_length": rs[0]["mean_accepted_length"],
+                "new_tokens": len(rs[0]["token_ids"]),
+                "identical_to_none": first_diff is None,
+                "first_difference_at": first_diff,
+            }
+        per_prompt.append(detail)
+    summary: dict[str, Any] = {}
+    base = [p["methods"]["none"]["tokens_per_second"] for p in per_prompt]
+    for method in methods:
+        rows = [p["methods"][method] for p in per_prompt]
+        speedups = [r["tokens_per_second"] / b for r, b in zip(rows, base) if b > 0]
+        acc = [r["acceptance_rate"] for r in rows if r["acceptance_rate"] is not None]
+        summary[method] = {
+            "tokens_per_second": statistics.median(r["tokens_per_second"] for r in rows),
+            "speedup": statistics.median(speedups) if speedups else None,
+            "acceptance_rate": statistics.mean(acc) if acc else None,
+            "mean_accepted_length": statistics.mean(r["mean_accepted_length"] for r in rows),
+            "identical_to_none": all(r["identical_to_none"] for r in rows),
+        }
+    return {"methods": summary, "prompts": per_prompt}
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """Per-method table, then per-category speedups."""
+    lines = [f"{'method':13s} {'tok/s':>7s} {'speedup':>8s} {'accept':>7s} {'tok/pass':>9s}  "
+             "identical"]
+    for method, r in report["methods"].items():
+        lines.append(f"{method:13s} {_fmt(r['tokens_per_second'], '7.2f')} "
+                     f"{_fmt(r['speedup'], '7.2f')}x {_fmt(r['acceptance_rate'], '7.0%')} "
+                     f"{_fmt(r['mean_accepted_length'], '9.2f')}  "
+                     f"{'yes' if r['identical_to_none'] else 'NO'}")
+    lines.append("")
+    lines.append("per prompt: tok/s (speedup vs none)")
+    methods = list(report["methods"])
+    lines.append(f"{'#':>2s} {'category':16s} " + " ".join(f"{m:>17s}" for m in methods))
+    for i, p in enumerate(report["prompts"], start=1):
+        base = p["methods"]["none"]["tokens_per_second"]
+        cells = []
+        for m in methods:
+            r = p["methods"][m]
+            mark = "" if r["identical_to_none"] else f"≠@{r['first_difference_at']}"
+            cells.append(f"{r['tokens_per_second']:6.2f} ({r['tokens_per_second'] / base:4.2f}x){mark:>4s}")
+        lines.append(f"{i:2d} {p['category'][:16]:16s} " + " ".join(f"{c:>17s}" for c in cells))
+    return "\n".join(lines)
