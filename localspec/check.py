@@ -23,6 +23,7 @@ import torch
 
 from localspec.bench import encode
 from localspec.pipeline import Pipeline
+from localspec.runner import ModelRunner
 from localspec.verify import SamplingParams, logits_to_probs, sample, verify_sampling
 
 NEAR_TIE_LOGITS = 0.5
@@ -120,7 +121,7 @@ def check_sampling(pipe: Pipeline, prompts: list[dict[str, Any]], positions: int
     temperature = pipe.preset.sampling.temperature or 1.0
     params = SamplingParams(temperature, pipe.preset.sampling.top_k, pipe.preset.sampling.top_p)
     target = pipe.engine("none").target
-    draft_runner = pipe.engine("draft_model").drafter.runner if pipe.draft is not None else None
+    draft_runner = ModelRunner(pipe.draft.model) if pipe.draft is not None else None
     results = []
     for i, row in enumerate(prompts[:2]):
         ids = encode(pipe, row)
@@ -129,9 +130,7 @@ def check_sampling(pipe: Pipeline, prompts: list[dict[str, Any]], positions: int
         target.reset()
         q_all = None
         if draft_runner is not None:
-            draft_runner.reset()
             q_logits = draft_runner.forward(ids, logits_to_keep=positions)[:, : p_all.shape[-1]]
-            draft_runner.reset()
             q_all = logits_to_probs(q_logits, params)
         for j in range(positions):
             top = torch.topk(p_all[j], support).indices

