@@ -72,20 +72,43 @@ class StepEvent:
 
 
 class _TextStream:
-    """UTF-8-safe incremental decoding: emit text only once it no longer ends mid-character."""
+    """UTF-8-safe incremental decoding with stop strings.
 
-    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+    Text is emitted only once it no longer ends mid-character, and a tail that could be the
+    start of a stop string is held back until the next tokens show whether it is one, so a
+    stop string never leaks into the output even when it spans two steps.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str], stop_strings: tuple[str, ...]) -> None:
         self.decode = decode
+        self.stop_strings = tuple(s for s in stop_strings if s)
         self.ids: list[int] = []
         self.text = ""
+        self.emitted = 0  # characters of ``text`` already streamed
 
-    def push(self, ids: list[int], final: bool = False) -> str:
+    def _held_back(self, text: str) -> int:
+        """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+        for n in range(min(len(text), max((len(s) for s in self.stop_strings), default=1) - 1),
+                       0, -1):
+            if any(s.startswith(text[-n:]) for s in self.stop_strings):
+                return n
+        return 0
+
+    def push(self, ids: list[int], final: bool = False) -> tuple[str, bool]:
+        """Add token ids; return (text to stream now, whether a stop string was reached)."""
         self.ids.extend(ids)
         text = self.decode(self.ids)
         if text.endswith("\ufffd") and not final:
-            return ""
-        delta, self.text = text[len(self.text) :], text
-        return delta
+            return "", False
+        self.text = text
+        hits = [i for s in self.stop_strings if (i := text.find(s, self.emitted)) >= 0]
+        if hits:
+            end, stopped = min(hits), True
+            self.text = text[:end]
+        else:
+            end, stopped = len(text) - (0 if final else self._held_back(text)), False
+        delta, self.emitted = text[self.emitted : end], max(self.emitted, end)
+        return delta, stopped
 
 
 class SpeculativeEngine:
@@ -126,14 +149,17 @@ class SpeculativeEngine:
     def generate(
         self, request: GenerationRequest, cancelled: Callable[[], bool] = lambda: False
     ) -> Iterator[StepEvent]:
-        """Yield one StepEvent per target forward pass until a stop condition."""
-        max_new = self._check(request)
+        """Validate now (errors raise here), then yield one StepEvent per target pass."""
+        return self._generate(request, self._check(request), cancelled)
+
+    def _generate(
+        self, request: GenerationRequest, max_new: int, cancelled: Callable[[], bool]
+    ) -> Iterator[StepEvent]:
         params = request.sampling
         generator = torch.Generator().manual_seed(request.seed)
         k_max = request.num_speculative_tokens if self.drafter is not None else 0
         controller = AdaptiveK(k_max=k_max, enabled=request.adaptive)
-        stream = _TextStream(self.decode)
-        stop_strings = tuple(s for s in request.stop_strings if s)
+        stream = _TextStream(self.decode, request.stop_strings)
 
         self.target.reset()
         if self.drafter is not None:
@@ -168,9 +194,9 @@ class SpeculativeEngine:
             kept, finish = self._cut(new_tokens, generated, max_new)
             context.extend(kept)
             generated += len(kept)
-            delta = stream.push(kept, final=finish is not None)
-            if stop_strings and finish is None:
-                delta, finish = self._apply_stop_strings(stream, delta, stop_strings)
+            delta, stopped = stream.push(kept, final=finish is not None)
+            if stopped:
+                finish = "stop"
             yield StepEvent(
                 step=step,
                 k=k,
@@ -214,19 +240,7 @@ class SpeculativeEngine:
         return new_tokens, None
 
     @staticmethod
-    def _apply_stop_strings(
-        stream: _TextStream, delta: str, stop_strings: tuple[str, ...]
-    ) -> tuple[str, str | None]:
-        """Cut the text at the first stop string that the newest delta completes."""
-        text = stream.text
-        window_start = len(text) - len(delta) - max(len(s) for s in stop_strings)
-        hits = [i for s in stop_strings if (i := text.find(s, max(0, window_start))) >= 0]
-        if not hits:
-            return delta, None
-        cut = min(hits)
-        stream.text = text[:cut]
-        return delta[: max(0, cut - (len(text) - len(delta)))], "stop"
-
-    @staticmethod
     def _final_event(step: int, stream: _TextStream, reason: str) -> StepEvent:
-        return StepEvent(step, 0, (), 0, None, "bonus", (), (), (), "", 0.0, 0.0, reason)
+        """An event without a forward pass: flushes held-back text and says why we stopped."""
+        delta, _ = stream.push([], final=True)
+        return StepEvent(step, 0, (), 0, None, "bonus", (), (), (), delta, 0.0, 0.0, reason)

@@ -33,12 +33,13 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from localspec.builtin_models import BUILTIN_MODELS, BuiltinModel
+from localspec.quant import quantize_int8_weight_only
 
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEVICES = ("auto", "cpu", "cuda")
-QUANTIZATIONS = ("none", "bnb-4bit", "bnb-8bit")
+QUANTIZATIONS = ("none", "int8-weight-only", "bnb-4bit", "bnb-8bit")
 _CHUNK = 16 * 1024 * 1024
 
 Progress = Callable[[str, float], None]  # (message, fraction done in [0, 1])
@@ -269,7 +270,7 @@ def _quantization_config(quantization: str, dtype: torch.dtype) -> object | None
         raise ModelLoadError(
             f"quantization must be one of {', '.join(QUANTIZATIONS)}, got '{quantization}'"
         )
-    if quantization == "none":
+    if quantization in ("none", "int8-weight-only"):  # the latter is applied after loading
         return None
     if importlib.util.find_spec("bitsandbytes") is None:
         raise ModelLoadError(f"quantization '{quantization}' needs bitsandbytes. Fix: "
@@ -306,6 +307,8 @@ def load_model(spec: ModelSpec, progress: Progress = _no_progress) -> LoadedMode
     except (OSError, ValueError, RuntimeError, ImportError, KeyError) as exc:
         raise ModelLoadError(f"could not load {spec.model} from {folder}: {exc}") from exc
     model.eval()
+    if spec.quantization == "int8-weight-only":
+        quantize_int8_weight_only(model, skip=("lm_head",))
     progress(f"loaded {spec.model}", 1.0)
     return LoadedModel(spec.model, model, tokenizer, folder, time.perf_counter() - start)
 

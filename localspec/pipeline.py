@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from localspec.drafters.base import Drafter
-from localspec.drafters.draft_model import DraftModelDrafter
+from localspec.drafters.draft_model import DraftModelDrafter, frequent_token_rows
 from localspec.drafters.lookup_first import LookupFirstDrafter
 from localspec.drafters.ngram import NgramDrafter
 from localspec.engine import GenerationRequest, SpeculativeEngine, StepEvent
@@ -94,8 +94,11 @@ class Pipeline:
         if self.draft is None:
             raise PresetError(f"method 'draft_model' needs a draft model, and preset "
                               f"'{self.preset.name}' names none in [speculative_config] model")
+        draft_vocab = self.draft.model.get_output_embeddings().weight.shape[0]
+        rows = frequent_token_rows(self.draft.tokenizer, self.preset.localspec.draft_vocab_size,
+                                   draft_vocab)
         drafter = DraftModelDrafter(
-            ModelRunner(self.draft.model),
+            ModelRunner(self.draft.model, vocab_rows=rows),
             target_vocab_size=self._target_runner().vocab_size,
             tokenizer_vocab_size=len(self.tokenizer),
             confidence_threshold=self.preset.localspec.draft_confidence_threshold,

@@ -10,7 +10,7 @@ Every error names the file, the key and what would be accepted.
 from __future__ import annotations
 
 import tomllib
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +64,7 @@ class LocalSpecConfig:
     draft_dtype: str = "auto"
     draft_confidence_threshold: float = 0.3  # stop drafting when the draft's best guess is below
     logits_fp32: bool = True  # target's final norm and LM head in float32 (fewer bf16 near-ties)
+    draft_vocab_size: int = 0  # cut the draft's LM head to the first N ids + specials (0 = all)
     lookup_first: bool = False  # draft_model: try n-gram lookup first, the draft model on a miss
 
 
@@ -111,6 +112,10 @@ def _build(cls: type, table: Any, where: str) -> Any:
         if not ok:
             raise PresetError(f"{where}.{key} must be of type {expected.replace(' | None', '')}, "
                               f"got {type(value).__name__} {value!r}")
+    missing = [f.name for f in known.values() if f.default is MISSING
+               and f.default_factory is MISSING and f.name not in table]
+    if missing:
+        raise PresetError(f"{where}: missing required key(s) {', '.join(missing)}")
     return cls(**table)
 
 
@@ -165,6 +170,8 @@ def _validate(preset: Preset, where: str) -> None:
     if s.temperature < 0 or not 0 < s.top_p <= 1 or s.top_k < 0 or s.max_new_tokens < 1:
         raise PresetError(f"{where} [sampling]: need temperature >= 0, 0 < top_p <= 1, "
                           "top_k >= 0, max_new_tokens >= 1")
+    if ls.draft_vocab_size < 0:
+        raise PresetError(f"{where} [localspec] draft_vocab_size must be >= 0 (0 = full)")
     if not 0 <= ls.draft_confidence_threshold < 1:
         raise PresetError(f"{where} [localspec] draft_confidence_threshold must be in [0, 1)")
 

@@ -40,7 +40,8 @@ def refine_top_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tenso
 class ModelRunner:
     """One sequence, one cache, logits for the tokens just fed."""
 
-    def __init__(self, model: PreTrainedModel, *, logits_fp32: bool = False) -> None:
+    def __init__(self, model: PreTrainedModel, *, logits_fp32: bool = False,
+                 vocab_rows: torch.Tensor | None = None) -> None:
         self.model = model
         self.config = model.config
         self.device = model.device
@@ -55,6 +56,13 @@ class ModelRunner:
                 and weight.dtype in (torch.bfloat16, torch.float16)
                 and getattr(self.lm_head, "bias", None) is None):
             self._norm = norm
+        # A drafter may restrict its LM head to frequent tokens (FR-Spec): the head is the
+        # largest single matmul of a small model. Other logits are -inf.
+        self._rows: torch.Tensor | None = None
+        self._rows_weight: torch.Tensor | None = None
+        if vocab_rows is not None and self._norm is None:
+            self._rows = vocab_rows.to(self.device)
+            self._rows_weight = self.lm_head.weight.detach()[self._rows].contiguous()
         self.cache = DynamicCache(config=self.config)
         self.length = 0
         self.last_hidden: torch.Tensor | None = None  # [n, hidden] of the last forward
@@ -95,6 +103,11 @@ class ModelRunner:
         if self._norm is not None:
             normed = self._norm(captured[-1][0, keep].float()).float()  # [n, hidden] float32
             return refine_top_logits(normed, self.lm_head.weight)
+        if self._rows_weight is not None:
+            sub = torch.nn.functional.linear(self.last_hidden, self._rows_weight).float()
+            logits = torch.full((sub.shape[0], self.vocab_size), float("-inf"), device=self.device)
+            logits[:, self._rows] = sub
+            return logits
         return self.lm_head(self.last_hidden).float()
 
     def crop(self, length: int) -> None:

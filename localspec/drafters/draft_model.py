@@ -20,6 +20,20 @@ from localspec.runner import ModelRunner
 from localspec.verify import SamplingParams, logits_to_probs, sample
 
 
+def frequent_token_rows(tokenizer: object, count: int, vocab_size: int) -> torch.Tensor | None:
+    """Ids the draft may propose when its LM head is cut to ``count`` rows (0 = all).
+
+    Byte-level BPE ids are in merge order, and early merges are the frequent pieces, so the
+    first ``count`` ids approximate the most frequent tokens (as FR-Spec does with counts);
+    special and added tokens (EOS, chat markers) are always kept. Restricting the draft changes
+    only what is guessed, never what the target outputs.
+    """
+    if count <= 0 or count >= vocab_size:
+        return None
+    special = {int(i) for i in getattr(tokenizer, "added_tokens_decoder", {}) if int(i) < vocab_size}
+    return torch.tensor(sorted(set(range(count)) | special), dtype=torch.long)
+
+
 class DraftModelDrafter:
     """Autoregressive drafting with a small model of the same tokenizer."""
 

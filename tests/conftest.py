@@ -1,0 +1,163 @@
+"""Shared fixtures for the unit tests: tiny random Qwen2 models, runners and a toy decoder.
+
+No real checkpoint is ever loaded here. The random models are scaled so that their logits are
+peaked (stable greedy argmaxes, informative sampling) and kept tiny so the whole suite runs in
+seconds on two CPU cores.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config
+
+from localspec.engine import GenerationRequest, SpeculativeEngine, StepEvent
+from localspec.runner import ModelRunner
+
+VOCAB = 97
+PADDED_VOCAB = 101
+MAX_POSITIONS = 256
+TOKENIZER_VOCAB = 300  # the saved models below use a real (byte-level BPE) tokenizer
+
+
+def tiny_config(vocab_size: int = VOCAB, max_positions: int = MAX_POSITIONS) -> Qwen2Config:
+    return Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=False,
+    )
+
+
+def make_tiny_model(seed: int, vocab_size: int = VOCAB,
+                    head_scale: float = 20.0) -> PreTrainedModel:
+    """A random tiny Qwen2 in float32, eval mode, LM head scaled so logits are peaked."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(vocab_size), dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(head_scale)
+    return model
+
+
+def perturbed_copy(model: PreTrainedModel, seed: int, noise: float,
+                   vocab_size: int | None = None) -> PreTrainedModel:
+    """A copy of ``model`` with relative Gaussian noise on every weight: a draft that agrees
+    with the target often but not always. ``vocab_size`` larger than the model's pads the
+    embedding and LM head with extra rows (filled in by the caller)."""
+    vocab = vocab_size or model.config.vocab_size
+    copy = AutoModelForCausalLM.from_config(tiny_config(vocab), dtype=torch.float32).eval()
+    generator = torch.Generator().manual_seed(seed)
+    source = model.state_dict()
+    with torch.no_grad():
+        for name, param in copy.state_dict().items():
+            src = source[name]
+            rows = min(src.shape[0], param.shape[0]) if src.dim() else 0
+            value = src.clone()
+            if value.is_floating_point() and value.numel() > 1:
+                value += noise * value.std() * torch.randn(value.shape, generator=generator)
+            if src.dim() and src.shape != param.shape:
+                param[:rows] = value[:rows]
+            else:
+                param.copy_(value)
+    return copy
+
+
+def decode(ids: list[int]) -> str:
+    """A toy tokenizer: token i is the letter chr(65 + i % 26)."""
+    return "".join(chr(65 + i % 26) for i in ids)
+
+
+def train_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
+    """A byte-level BPE (as Qwen2 uses) of TOKENIZER_VOCAB tokens, trained offline."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tokenizer.train_from_iterator(texts * 20, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>")
+
+
+TOKENIZER_TEXTS = ["def add(a, b):\n    return a + b\n", "hello world"]
+
+
+@pytest.fixture(scope="session")
+def saved_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Qwen2 and its tokenizer in save_pretrained layout (safetensors)."""
+    folder = tmp_path_factory.mktemp("tiny-model")
+    train_tokenizer(TOKENIZER_TEXTS).save_pretrained(folder)
+    make_tiny_model(seed=0, vocab_size=TOKENIZER_VOCAB).save_pretrained(folder)
+    assert (folder / "model.safetensors").is_file() and (folder / "config.json").is_file()
+    return folder
+
+
+@pytest.fixture(autouse=True)
+def _one_thread_for_tiny_models(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Tiny models gain nothing from intra-op threads and lose a lot to contention on a busy
+    machine (7x slower here); real-model tests keep torch's default."""
+    if request.node.get_closest_marker("real_model") is not None:
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def target_model() -> PreTrainedModel:
+    return make_tiny_model(seed=0)
+
+
+@pytest.fixture(scope="session")
+def random_draft_model() -> PreTrainedModel:
+    """Independent random weights: almost never agrees with the target."""
+    return make_tiny_model(seed=1)
+
+
+@pytest.fixture(scope="session")
+def close_draft_model(target_model: PreTrainedModel) -> PreTrainedModel:
+    """The target plus noise: agrees part of the time (acceptances and rejections both occur)."""
+    return perturbed_copy(target_model, seed=2, noise=0.5)
+
+
+@pytest.fixture(scope="session")
+def padded_draft_model(target_model: PreTrainedModel) -> PreTrainedModel:
+    """A close draft whose vocabulary is padded to 101 rows; the padding rows are rigged to win
+    the argmax often, so a drafter that forgot to mask them would propose ids >= 97."""
+    model = perturbed_copy(target_model, seed=3, noise=0.3, vocab_size=PADDED_VOCAB)
+    with torch.no_grad():
+        head = model.lm_head.weight
+        for i, row in enumerate(range(VOCAB, PADDED_VOCAB)):
+            head[row] = 10.0 * head[i * 7]
+    return model
+
+
+@pytest.fixture
+def target_runner(target_model: PreTrainedModel) -> ModelRunner:
+    return ModelRunner(target_model)
+
+
+@pytest.fixture
+def toy_decode() -> Callable[[list[int]], str]:
+    return decode
+
+
+def collect(engine: SpeculativeEngine, request: GenerationRequest,
+            cancelled: Callable[[], bool] | None = None) -> tuple[list[int], list[StepEvent]]:
+    """Run a generation to the end; return the token ids and the events."""
+    stream = engine.generate(request) if cancelled is None else engine.generate(request, cancelled)
+    events = list(stream)
+    return [t for e in events for t in e.tokens], events

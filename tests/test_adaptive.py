@@ -1,0 +1,98 @@
+"""Adaptive draft length: the expected-tokens formula and the choices AdaptiveK makes."""
+
+from __future__ import annotations
+
+import pytest
+
+from localspec.adaptive import AdaptiveK, expected_tokens
+
+
+@pytest.mark.parametrize(
+    ("alpha", "k", "expected"),
+    [
+        (0.5, 0, 1.0),
+        (0.5, 1, 1.5),
+        (0.5, 2, 1.75),
+        (0.8, 3, (1 - 0.8**4) / 0.2),
+        (0.0, 5, 1.0),
+        (1.0, 4, 5.0),
+        (1.0, 0, 1.0),
+    ],
+)
+def test_expected_tokens(alpha: float, k: int, expected: float) -> None:
+    """(1 - alpha^(k+1)) / (1 - alpha), and k + 1 when every draft is accepted."""
+    assert expected_tokens(alpha, k) == pytest.approx(expected)
+
+
+def test_no_measurements_explores_k_max() -> None:
+    """Before any step has been measured, choose() returns k_max."""
+    assert AdaptiveK(k_max=7).choose() == 7
+
+
+def test_disabled_always_returns_k_max() -> None:
+    """enabled=False ignores measurements entirely."""
+    controller = AdaptiveK(k_max=6, enabled=False)
+    for _ in range(20):
+        controller.update(drafted=6, accepted=0, draft_time=1.0, verify_time=0.01)
+    assert controller.choose() == 6
+
+
+def test_k_max_zero_is_plain_decoding() -> None:
+    """With no drafter (k_max=0) the controller never asks for drafts."""
+    controller = AdaptiveK(k_max=0)
+    controller.update(drafted=0, accepted=0, draft_time=0.0, verify_time=0.01)
+    assert controller.choose() == 0
+
+
+def test_high_acceptance_cheap_drafts_choose_k_max() -> None:
+    """Every draft accepted and drafting nearly free: the longest draft wins."""
+    controller = AdaptiveK(k_max=8)
+    for _ in range(30):
+        controller.update(drafted=8, accepted=8, draft_time=8 * 1e-4, verify_time=0.02)
+    assert controller.alpha > 0.95
+    assert controller.choose() == 8
+
+
+def test_no_acceptance_expensive_drafts_floor_at_one() -> None:
+    """Drafts always rejected and costly: k=0 would be best, but the floor keeps probing at 1."""
+    controller = AdaptiveK(k_max=8)
+    for _ in range(30):
+        controller.update(drafted=4, accepted=0, draft_time=4 * 0.02, verify_time=0.02)
+    assert controller.alpha < 0.2
+    assert controller.choose() == 1
+
+
+def test_alpha_prior_and_estimate() -> None:
+    """alpha starts at the prior and moves to accepted / (accepted + rejections)."""
+    controller = AdaptiveK(k_max=4)
+    assert controller.alpha == pytest.approx(controller.alpha_prior)
+    for _ in range(200):  # 3 accepted then a rejection each step: MLE alpha = 3/4
+        controller.update(drafted=4, accepted=3, draft_time=0.004, verify_time=0.02)
+    assert controller.alpha == pytest.approx(0.75, abs=0.01)
+    assert controller.draft_cost() == pytest.approx(0.001)
+
+
+def test_verify_cost_linear_fit_recovers_line() -> None:
+    """Least squares with forgetting recovers verify_time = a + b * n from exact data."""
+    a, b = 0.05, 0.004
+    controller = AdaptiveK(k_max=8)
+    assert controller.verify_cost(1) is None
+    for step in range(60):
+        n = 1 + step % 9  # n = drafted + 1 in 1..9
+        controller.update(drafted=n - 1, accepted=0, draft_time=0.0, verify_time=a + b * n)
+    for n in (1, 4, 9, 16):
+        assert controller.verify_cost(n) == pytest.approx(a + b * n, rel=1e-6)
+
+
+def test_verify_cost_constant_n_and_negative_slope() -> None:
+    """One n only: the mean time. A decreasing trend is clipped to a flat cost (slope >= 0)."""
+    flat = AdaptiveK(k_max=4)
+    for _ in range(10):
+        flat.update(drafted=3, accepted=3, draft_time=0.0, verify_time=0.03)
+    assert flat.verify_cost(1) == pytest.approx(0.03)
+    assert flat.verify_cost(10) == pytest.approx(0.03)
+    falling = AdaptiveK(k_max=4)
+    for step in range(20):
+        n = 1 + step % 4
+        falling.update(drafted=n - 1, accepted=0, draft_time=0.0, verify_time=0.05 - 0.01 * n)
+    assert falling.verify_cost(1) == pytest.approx(falling.verify_cost(4))

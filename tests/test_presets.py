@@ -1,0 +1,213 @@
+"""Presets: every shipped file validates, and every kind of mistake gets a message that names the
+file, the key and what would be accepted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from localspec.presets import (
+    DEFAULT_PRESET,
+    PRESETS_DIR,
+    Preset,
+    PresetError,
+    list_preset_names,
+    load_preset,
+    parse_preset,
+)
+
+MINIMAL = """\
+name = "test"
+description = "a test preset"
+hardware = "cpu"
+
+[target]
+model = "some-org/some-model"
+"""
+
+FULL = """\
+name = "test"
+description = "a test preset"
+hardware = "cpu"
+
+[target]
+model = "some-org/some-model"
+dtype = "float32"
+device = "cpu"
+
+[speculative_config]
+method = "{method}"
+{model_line}
+num_speculative_tokens = {k}
+prompt_lookup_max = 4
+prompt_lookup_min = 2
+
+[sampling]
+temperature = 0.7
+top_p = 0.9
+top_k = 20
+max_new_tokens = 64
+seed = 3
+
+[localspec]
+adaptive_k = false
+draft_confidence_threshold = 0.25
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "p.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def full(method: str = "draft_model", model: str | None = "some-org/draft", k: int = 5) -> str:
+    model_line = f'model = "{model}"' if model is not None else ""
+    return FULL.format(method=method, model_line=model_line, k=k)
+
+
+def test_shipped_presets_exist_and_include_default() -> None:
+    """presets/ is found next to the package and holds the default preset."""
+    names = list_preset_names()
+    assert len(names) >= 3
+    assert DEFAULT_PRESET in names
+
+
+@pytest.mark.parametrize("name", list_preset_names())
+def test_shipped_preset_loads(name: str) -> None:
+    """Each shipped preset parses, validates and describes a usable configuration."""
+    preset = load_preset(name)
+    assert isinstance(preset, Preset)
+    assert preset.path == PRESETS_DIR / f"{name}.toml"
+    assert preset.name and preset.description
+    assert preset.target_spec().model == preset.target.model
+    sc = preset.speculative_config
+    if sc.method == "draft_model":
+        draft = preset.draft_spec()
+        assert draft is not None and draft.model == sc.model
+        assert draft.device == preset.target.device
+    assert load_preset(f"{name}.toml") == preset
+
+
+def test_full_preset_round_trip(tmp_path: Path) -> None:
+    """Every key of every table is read into the dataclasses."""
+    preset = load_preset(str(write(tmp_path, full())))
+    assert preset.target.dtype == "float32" and preset.target.device == "cpu"
+    assert preset.speculative_config.model == "some-org/draft"
+    assert preset.speculative_config.prompt_lookup_min == 2
+    assert preset.sampling.temperature == 0.7 and preset.sampling.top_k == 20
+    assert preset.sampling.seed == 3
+    assert preset.localspec.adaptive_k is False
+    assert preset.localspec.draft_confidence_threshold == 0.25
+    draft = preset.draft_spec()
+    assert draft is not None and draft.model == "some-org/draft"
+
+
+def test_minimal_preset_defaults(tmp_path: Path) -> None:
+    """Only [target] model is required; everything else has defaults (plain decoding)."""
+    preset = load_preset(str(write(tmp_path, MINIMAL)))
+    assert preset.speculative_config.method == "none"
+    assert preset.draft_spec() is None
+    assert preset.sampling.temperature == 0.0
+
+
+def test_integer_accepted_for_float(tmp_path: Path) -> None:
+    """temperature = 1 (a TOML integer) is a valid float."""
+    preset = load_preset(str(write(tmp_path, MINIMAL + "\n[sampling]\ntemperature = 1\n")))
+    assert preset.sampling.temperature == 1
+
+
+@pytest.mark.parametrize(
+    ("text", "fragments"),
+    [
+        (MINIMAL.replace('hardware = "cpu"\n', 'hardware = "cpu"\ncolour = "blue"\n'),
+         ["unknown key(s) colour", "allowed at top level", "[speculative_config]"]),
+        (MINIMAL + 'colour = 1\n', ["[target]: unknown key(s) colour", "allowed: model, dtype"]),
+        (full().replace("seed = 3", "seed = 3\nbeam = 2"),
+         ["[sampling]: unknown key(s) beam", "allowed: temperature"]),
+        (full(k='"five"'), ["num_speculative_tokens must be of type int", "got str 'five'"]),
+        (full().replace("adaptive_k = false", 'adaptive_k = "no"'),
+         ["adaptive_k must be of type bool"]),
+        (full().replace("top_k = 20", "top_k = true"), ["top_k must be of type int", "bool"]),
+        (full().replace("temperature = 0.7", 'temperature = "hot"'),
+         ["temperature must be of type float"]),
+        (full(method="medusa"), ["method = 'medusa' is not one of", "none, draft_model, ngram"]),
+        (full(model=None), ["method 'draft_model' needs 'model'"]),
+        (full(k=0), ["num_speculative_tokens must be 1..32, got 0"]),
+        (full(k=33), ["num_speculative_tokens must be 1..32, got 33"]),
+        (full().replace("prompt_lookup_min = 2", "prompt_lookup_min = 6"),
+         ["prompt_lookup_min <= prompt_lookup_max"]),
+        (full().replace("top_p = 0.9", "top_p = 1.5"), ["[sampling]", "0 < top_p <= 1"]),
+        (full().replace("max_new_tokens = 64", "max_new_tokens = 0"), ["max_new_tokens >= 1"]),
+        (full().replace("draft_confidence_threshold = 0.25", "draft_confidence_threshold = 1.0"),
+         ["draft_confidence_threshold must be in [0, 1)"]),
+        (MINIMAL.replace('"cpu"', '"abacus"'), ["hardware = 'abacus' is not one of", "gpu-8gb"]),
+        (full().replace('dtype = "float32"', 'dtype = "int3"'),
+         ["[target] dtype = 'int3' is not one of", "bfloat16"]),
+        (full().replace('device = "cpu"', 'device = "tpu"'), ["[target] device = 'tpu'"]),
+        (MINIMAL + 'quantization = "gptq"\n', ["[target] quantization = 'gptq'", "bnb-4bit"]),
+        (MINIMAL.replace('name = "test"\n', ""), ["'name' must be a non-empty string"]),
+        (MINIMAL.replace('description = "a test preset"', 'description = ""'),
+         ["'description' must be a non-empty string"]),
+        ('name = "x"\ndescription = "y"\nhardware = "cpu"\n', ["missing [target] table"]),
+        ('name = "x"\ndescription = "y"\nhardware = "cpu"\ntarget = "m"\n',
+         ["[target] must be a table"]),
+    ],
+    ids=["top-level-key", "table-key", "table-key-sampling", "type-int", "type-bool",
+         "type-int-not-bool", "type-float", "method", "draft-without-model", "k-0", "k-33",
+         "lookup-min-max", "top-p", "max-new-tokens", "threshold", "hardware", "dtype", "device",
+         "quantization", "no-name", "empty-description", "no-target", "target-not-table"],
+)
+def test_invalid_preset_messages(tmp_path: Path, text: str, fragments: list[str]) -> None:
+    """Each mistake raises PresetError naming the file and the offending key/value."""
+    path = write(tmp_path, text)
+    with pytest.raises(PresetError) as info:
+        load_preset(str(path))
+    message = str(info.value)
+    assert str(path) in message
+    for fragment in fragments:
+        assert fragment in message, (fragment, message)
+
+
+def test_invalid_toml(tmp_path: Path) -> None:
+    """A syntax error is reported as 'not valid TOML' with the file name."""
+    path = write(tmp_path, 'name = "unterminated\n')
+    with pytest.raises(PresetError, match="not valid TOML") as info:
+        load_preset(str(path))
+    assert str(path) in str(info.value)
+
+
+def test_non_utf8_file(tmp_path: Path) -> None:
+    """Bytes that are not UTF-8 are a PresetError too, not a crash."""
+    path = tmp_path / "bad.toml"
+    path.write_bytes(b'name = "\xff\xfe"\n')
+    with pytest.raises(PresetError, match="not valid TOML"):
+        load_preset(str(path))
+
+
+def test_unknown_preset_lists_available() -> None:
+    """An unknown name says so and lists every shipped preset."""
+    with pytest.raises(PresetError, match="unknown preset 'no-such-preset'") as info:
+        load_preset("no-such-preset")
+    for name in list_preset_names():
+        assert name in str(info.value)
+
+
+def test_missing_toml_path_is_unknown(tmp_path: Path) -> None:
+    """A .toml path that does not exist is reported, not opened."""
+    with pytest.raises(PresetError, match="unknown preset"):
+        load_preset(str(tmp_path / "absent.toml"))
+
+
+def test_parse_preset_where_prefix() -> None:
+    """parse_preset works on an already-parsed dict and prefixes messages with ``where``."""
+    with pytest.raises(PresetError, match=r"^inline: missing \[target\] table"):
+        parse_preset({"name": "x"}, where="inline")
+
+
+def test_target_without_model(tmp_path: Path) -> None:
+    """[target] without its required 'model' key is a PresetError that names the key."""
+    path = write(tmp_path, MINIMAL.replace('model = "some-org/some-model"', 'dtype = "float32"'))
+    with pytest.raises(PresetError, match="model"):
+        load_preset(str(path))

@@ -1,0 +1,101 @@
+"""ModelRunner: incremental forwards through the KV cache, crop and reset agree with one
+full forward; float32-exact top logits on a bfloat16 model."""
+
+from __future__ import annotations
+
+import torch
+from conftest import make_tiny_model
+from transformers import PreTrainedModel
+
+from localspec.runner import ModelRunner, refine_top_logits
+
+TOKENS = [5, 17, 33, 2, 80, 41, 9, 60, 3, 91, 44, 12]
+
+
+def full_logits(model: PreTrainedModel, tokens: list[int]) -> torch.Tensor:
+    return ModelRunner(model).forward(tokens)
+
+
+def test_chunked_forward_matches_full(target_model: PreTrainedModel) -> None:
+    """Feeding tokens in chunks through the cache gives the logits of one full pass."""
+    runner = ModelRunner(target_model)
+    chunks = [runner.forward(TOKENS[:5]), runner.forward(TOKENS[5:6]), runner.forward(TOKENS[6:])]
+    torch.testing.assert_close(torch.cat(chunks), full_logits(target_model, TOKENS),
+                               atol=1e-4, rtol=1e-4)
+    assert runner.length == len(TOKENS) == runner.cache.get_seq_length()
+    assert runner.vocab_size == 97 and runner.max_length == 256
+
+
+def test_logits_to_keep_and_last_hidden(target_model: PreTrainedModel) -> None:
+    """logits_to_keep=1 returns only the last row; last_hidden holds the kept rows."""
+    runner = ModelRunner(target_model)
+    last = runner.forward(TOKENS, logits_to_keep=1)
+    assert last.shape == (1, 97) and last.dtype == torch.float32
+    assert runner.last_hidden is not None and runner.last_hidden.shape == (1, 32)
+    torch.testing.assert_close(last[0], full_logits(target_model, TOKENS)[-1])
+
+
+def test_crop_then_continue_matches_fresh(target_model: PreTrainedModel) -> None:
+    """Rolling back past rejected tokens and feeding others equals never having seen them."""
+    runner = ModelRunner(target_model)
+    runner.forward(TOKENS[:8])
+    runner.forward([70, 71, 72])  # a rejected draft
+    runner.crop(8)
+    assert runner.length == 8 == runner.cache.get_seq_length()
+    continued = runner.forward(TOKENS[8:])
+    torch.testing.assert_close(continued, full_logits(target_model, TOKENS)[8:],
+                               atol=1e-4, rtol=1e-4)
+    runner.crop(100)  # longer than the cache: nothing to do
+    assert runner.length == len(TOKENS)
+    runner.crop(0)
+    assert runner.length == 0 == runner.cache.get_seq_length()
+    torch.testing.assert_close(runner.forward(TOKENS), full_logits(target_model, TOKENS),
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_reset_forgets_everything(target_model: PreTrainedModel) -> None:
+    runner = ModelRunner(target_model)
+    runner.forward(TOKENS)
+    runner.reset()
+    assert runner.length == 0 and runner.last_hidden is None
+    torch.testing.assert_close(runner.forward(TOKENS[:3]), full_logits(target_model, TOKENS[:3]))
+
+
+def test_refine_top_logits_is_float32_exact_near_the_maximum() -> None:
+    """Logits within the margin of each row's maximum are recomputed in float32, so the argmax
+    is the float32 argmax even where bf16 rounding creates near-ties."""
+    g = torch.Generator().manual_seed(0)
+    weight = (0.1 * torch.randn(64, 16, generator=g)).to(torch.bfloat16)
+    direction = torch.randn(16, generator=g)
+    direction[0] = 2.0
+    weight[3] = direction.to(torch.bfloat16)
+    weight[3, 0] = 1.0
+    weight[7] = weight[3]
+    weight[7, 0] = 1.0 + 2.0**-7  # entry 7 beats entry 3 by hidden[0] / 128, about 0.015
+    scales = torch.linspace(20.0, 40.0, 8)[:, None]
+    hidden = direction[None] * scales / float(direction @ weight[3].float())
+    hidden += 1e-3 * torch.randn(hidden.shape, generator=g)
+    exact = hidden @ weight.float().T
+    refined = refine_top_logits(hidden, weight)
+    assert refined.dtype == torch.float32 and refined.shape == (8, 64)
+    assert torch.equal(refined.argmax(-1), exact.argmax(-1))
+    near = exact >= exact.max(-1, keepdim=True).values - 0.25
+    torch.testing.assert_close(refined[near], exact[near], atol=1e-5, rtol=1e-6)
+    assert (exact.argmax(-1) == 7).all()
+    coarse = torch.nn.functional.linear(hidden.to(torch.bfloat16), weight).float()
+    assert (coarse.argmax(-1) != 7).any(), "no bf16 near-tie: the test would prove nothing"
+    torch.testing.assert_close(refined, coarse, atol=0.5, rtol=0.02)
+
+
+def test_logits_fp32_on_bfloat16_model() -> None:
+    """logits_fp32 on a bf16 model: float32 logits, close to the float32 model's, and the
+    model itself is left untouched (no hook survives a forward)."""
+    reference = full_logits(make_tiny_model(seed=0), TOKENS)
+    bf16 = make_tiny_model(seed=0).to(torch.bfloat16)
+    runner = ModelRunner(bf16, logits_fp32=True)
+    logits = runner.forward(TOKENS)
+    assert logits.dtype == torch.float32 and logits.shape == (len(TOKENS), 97)
+    assert not bf16.base_model.norm._forward_pre_hooks
+    torch.testing.assert_close(logits, reference, atol=0.5, rtol=0.05)
+    last = ModelRunner(bf16, logits_fp32=True).forward(TOKENS, logits_to_keep=2)
+    torch.testing.assert_close(last, logits[-2:])
