@@ -1,10 +1,15 @@
 """Adaptive draft length: pick k to maximise expected tokens per second.
 
-Model (Leviathan et al. 2023, section 3.4): if each draft token is accepted with probability
-alpha independently, a step with k drafts yields E[tokens] = (1 - alpha^(k+1)) / (1 - alpha)
-and costs k * c_draft + c_verify(k). We estimate
-  * alpha from recent steps as accepted / (accepted + rejections) — the maximum-likelihood
-    estimate for a geometric run length cut at k — with exponential forgetting;
+Model (after Leviathan et al. 2023, section 3.4): a step with k drafts yields
+E[tokens] = 1 + sum_{i<k} prod_{j<=i} r_j and costs k * c_draft + c_verify(k), where r_j is the
+probability that draft position j is accepted given that all before it were. Leviathan et al.
+take every r_j equal to one alpha, (1 - alpha^(k+1)) / (1 - alpha); we estimate each r_j from
+recent steps instead, because acceptance is far from geometric for n-gram lookup (a match is
+either wrong at once or right for a long run), and a single alpha would keep k short exactly
+when long drafts pay. We estimate
+  * r_j as (accepted past j) / (steps that tested position j), with exponential forgetting,
+    shrunk towards alpha = accepted / (accepted + rejections) (the geometric MLE) where a
+    position has little data;
   * c_draft from measured draft time per drafted token;
   * c_verify(n) = a + b * n from measured verify times, by least squares with forgetting
     (a forward pass over 1 to 16 tokens costs nearly the same on a CPU: b is small),
@@ -35,6 +40,8 @@ class AdaptiveK:
     prior_weight: float = 2.0
     _accepted: float = field(default=0.0, init=False)
     _rejections: float = field(default=0.0, init=False)
+    _tested: list[float] = field(default_factory=list, init=False)  # position j was tested
+    _passed: list[float] = field(default_factory=list, init=False)  # position j was accepted
     _draft_time: float = field(default=0.0, init=False)
     _draft_count: float = field(default=0.0, init=False)
     # weighted sums for verify_time = a + b * n
@@ -49,6 +56,20 @@ class AdaptiveK:
         accepted = self._accepted + self.prior_weight * self.alpha_prior
         rejections = self._rejections + self.prior_weight * (1.0 - self.alpha_prior)
         return accepted / (accepted + rejections)
+
+    def position_rates(self, k: int) -> list[float]:
+        """r_j for j < k: acceptance of position j given all earlier drafts were accepted."""
+        alpha, w = self.alpha, self.prior_weight
+        return [((self._passed[j] if j < len(self._passed) else 0.0) + w * alpha)
+                / ((self._tested[j] if j < len(self._tested) else 0.0) + w) for j in range(k)]
+
+    def expected_tokens(self, k: int) -> float:
+        """E[tokens per step] with k drafts under the per-position rates."""
+        total, survive = 1.0, 1.0
+        for rate in self.position_rates(k):
+            survive *= rate
+            total += survive
+        return total
 
     def draft_cost(self) -> float | None:
         return self._draft_time / self._draft_count if self._draft_count > 0 else None
@@ -67,6 +88,13 @@ class AdaptiveK:
         if drafted > 0:
             self._accepted = d * self._accepted + accepted
             self._rejections = d * self._rejections + (1.0 if accepted < drafted else 0.0)
+            tested = min(drafted, accepted + 1)  # positions 0..accepted were looked at
+            width = max(drafted, len(self._tested))
+            self._tested = [d * x for x in self._tested] + [0.0] * (width - len(self._tested))
+            self._passed = [d * x for x in self._passed] + [0.0] * (width - len(self._passed))
+            for j in range(tested):
+                self._tested[j] += 1.0
+                self._passed[j] += float(j < accepted)
             self._draft_time = d * self._draft_time + draft_time
             self._draft_count = d * self._draft_count + drafted
         n = drafted + 1
@@ -82,11 +110,10 @@ class AdaptiveK:
         c_draft, c_verify_1 = self.draft_cost(), self.verify_cost(1)
         if c_draft is None or c_verify_1 is None:
             return self.k_max  # nothing measured yet: explore the full length
-        alpha = self.alpha
         best_k, best_rate = 0, 0.0
         for k in range(self.k_max + 1):
             cost = k * c_draft + (self.verify_cost(k + 1) or c_verify_1)
-            rate = expected_tokens(alpha, k) / cost
+            rate = self.expected_tokens(k) / cost
             if rate > best_rate * 1.0001:
                 best_k, best_rate = k, rate
         # Never settle on k=0 for good: keep probing with one draft so alpha can recover.

@@ -96,3 +96,18 @@ def test_verify_cost_constant_n_and_negative_slope() -> None:
         n = 1 + step % 4
         falling.update(drafted=n - 1, accepted=0, draft_time=0.0, verify_time=0.05 - 0.01 * n)
     assert falling.verify_cost(1) == pytest.approx(falling.verify_cost(4))
+
+
+def test_bimodal_acceptance_is_seen_per_position() -> None:
+    """n-gram-like steps (a miss, or a long hit) give r_0 ~ 0.5 but r_j ~ 1 after it, so the
+    controller keeps long drafts when drafting is free."""
+    controller = AdaptiveK(k_max=8)
+    for i in range(200):
+        hit = i % 2 == 0
+        controller.update(drafted=8, accepted=8 if hit else 0, draft_time=1e-5,
+                          verify_time=0.17 + 0.005 * 9)
+    rates = controller.position_rates(8)
+    assert rates[0] == pytest.approx(0.5, abs=0.05)
+    assert min(rates[1:]) > 0.95
+    assert controller.expected_tokens(8) > 4.0
+    assert controller.choose() == 8
