@@ -49,6 +49,14 @@ def load_prompts(path: str | None) -> list[dict[str, Any]]:
     return prompts
 
 
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token (or of the shorter end); None if identical."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
 def encode(pipe: Pipeline, row: dict[str, Any]) -> list[int]:
     if "messages" in row:
         return pipe.encode_chat(row["messages"])
@@ -147,10 +155,7 @@ def summarise(prompts: list[dict[str, Any]], methods: list[str],
         detail: dict[str, Any] = {"category": row.get("category", ""), "methods": {}}
         for method in methods:
             rs = runs[(i, method)]
-            first_diff = next((j for j, (a, b) in enumerate(zip(rs[0]["token_ids"], reference))
-                               if a != b), None)
-            if first_diff is None and len(rs[0]["token_ids"]) != len(reference):
-                first_diff = min(len(rs[0]["token_ids"]), len(reference))
+            first_diff = first_difference(reference, rs[0]["token_ids"])
             detail["methods"][method] = {
                 "tokens_per_second": statistics.median(r["tokens_per_second"] for r in rs),
                 "acceptance_rate": rs[0]["acceptance_rate"],
@@ -164,7 +169,8 @@ def summarise(prompts: list[dict[str, Any]], methods: list[str],
     base = [p["methods"]["none"]["tokens_per_second"] for p in per_prompt]
     for method in methods:
         rows = [p["methods"][method] for p in per_prompt]
-        speedups = [r["tokens_per_second"] / b for r, b in zip(rows, base) if b > 0]
+        speedups = [r["tokens_per_second"] / b for r, b in zip(rows, base, strict=True)
+                    if b > 0]
         acc = [r["acceptance_rate"] for r in rows if r["acceptance_rate"] is not None]
         summary[method] = {
             "tokens_per_second": statistics.median(r["tokens_per_second"] for r in rows),
@@ -199,6 +205,7 @@ def format_table(report: dict[str, Any]) -> str:
         for m in methods:
             r = p["methods"][m]
             mark = "" if r["identical_to_none"] else f"≠@{r['first_difference_at']}"
-            cells.append(f"{r['tokens_per_second']:6.2f} ({r['tokens_per_second'] / base:4.2f}x){mark:>4s}")
+            speedup = r["tokens_per_second"] / base
+            cells.append(f"{r['tokens_per_second']:6.2f} ({speedup:4.2f}x){mark:>4s}")
         lines.append(f"{i:2d} {p['category'][:16]:16s} " + " ".join(f"{c:>17s}" for c in cells))
     return "\n".join(lines)

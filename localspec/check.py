@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from localspec.bench import encode
+from localspec.bench import encode, first_difference
 from localspec.pipeline import Pipeline
 from localspec.runner import ModelRunner
 from localspec.verify import SamplingParams, logits_to_probs, sample, verify_sampling
@@ -68,13 +68,6 @@ def emitted_token_counts(p: torch.Tensor, q: torch.Tensor | None, trials: int, s
     return counts
 
 
-def _first_difference(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
 @torch.inference_mode()
 def _target_top2(pipe: Pipeline, ids: list[int]) -> dict[str, Any]:
     """The target's two best next tokens after ``ids``, from one fresh pass."""
@@ -98,7 +91,7 @@ def check_greedy(pipe: Pipeline, prompts: list[dict[str, Any]], methods: list[st
         for method in methods:
             spec = pipe.run(pipe.request(ids, max_new_tokens=max_new_tokens, temperature=0.0),
                             method).token_ids
-            diff = _first_difference(plain, spec)
+            diff = first_difference(plain, spec)
             entry: dict[str, Any] = {"prompt": i, "method": method, "tokens": len(plain),
                                      "identical": diff is None, "first_difference_at": diff}
             if diff is not None and diff < min(len(plain), len(spec)):
@@ -170,7 +163,7 @@ def format_report(report: dict[str, Any]) -> str:
             f"{r['target_top2']['logit_gap']:.3f} (p = {r['target_top2']['probs'][0]:.3f} vs "
             f"{r['target_top2']['probs'][1]:.3f}) -> "
             f"{'near-tie, numerical' if r['passed'] else 'FAIL'}"
-            if "target_top2" in r else f"differs in length -> FAIL")
+            if "target_top2" in r else "differs in length -> FAIL")
         lines.append(f"  prompt {r['prompt'] + 1:2d} {r['method']:12s} {r['tokens']:4d} tokens  "
                      f"{status}")
     lines += ["", f"sampling (chi-square of emitted token vs p, pass if p-value >= "

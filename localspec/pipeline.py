@@ -54,7 +54,7 @@ class Pipeline:
         return cls(preset, target, draft)
 
     @property
-    def tokenizer(self):  # noqa: ANN201 - a transformers tokenizer
+    def tokenizer(self):
         return self.target.tokenizer
 
     def eos_token_ids(self) -> set[int]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 
@@ -35,7 +37,7 @@ def test_quantize_replaces_linears_but_skipped_names(target_model) -> None:
 
 def test_frequent_token_rows_keep_first_ids_and_specials() -> None:
     class Tok:
-        added_tokens_decoder = {95: "<eos>", 96: "<pad>", 500: "<out of range>"}
+        added_tokens_decoder: ClassVar[dict[int, str]] = {95: "<eos>", 96: "<pad>", 500: "<x>"}
 
     rows = frequent_token_rows(Tok(), 10, 97)
     assert rows.tolist() == [*range(10), 95, 96]

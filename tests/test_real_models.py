@@ -17,7 +17,13 @@ from localspec.bench import load_prompts
 from localspec.builtin_models import BUILTIN_MODELS
 from localspec.check import check_greedy
 from localspec.engine import GenerationError
-from localspec.models import ModelLoadError, ModelSpec, _source_files, check_same_tokenizer, load_model
+from localspec.models import (
+    ModelLoadError,
+    ModelSpec,
+    _source_files,
+    check_same_tokenizer,
+    load_model,
+)
 from localspec.pipeline import Pipeline
 from localspec.presets import load_preset
 
@@ -38,7 +44,8 @@ def smollm() -> Pipeline:
 def test_default_pair_greedy_equal_on_real_models(qwen_pair: Pipeline) -> None:
     """bf16 target + 0.5B draft: draft_model and ngram give the target's own greedy tokens
     (identical, or differing only at a near-tie of the target's logits, which verify reports)."""
-    prompts = [p for p in load_prompts(None) if p["category"] in ("code generation", "code editing")]
+    prompts = [p for p in load_prompts(None)
+               if p["category"] in ("code generation", "code editing")]
     results = check_greedy(qwen_pair, prompts[:3], ["draft_model", "ngram"], 40, log=lambda _: None)
     assert all(r["passed"] for r in results), results
     assert sum(r["identical"] for r in results) >= len(results) - 1, results

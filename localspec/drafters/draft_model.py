@@ -30,7 +30,8 @@ def frequent_token_rows(tokenizer: object, count: int, vocab_size: int) -> torch
     """
     if count <= 0 or count >= vocab_size:
         return None
-    special = {int(i) for i in getattr(tokenizer, "added_tokens_decoder", {}) if int(i) < vocab_size}
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    special = {int(i) for i in added if int(i) < vocab_size}
     return torch.tensor(sorted(set(range(count)) | special), dtype=torch.long)
 
 
