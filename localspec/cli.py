@@ -1,4 +1,4 @@
-"""Command line: ``python -m localspec generate | bench | verify``.
+"""Command line: ``python -m localspec generate | bench | verify | presets | export-vllm``.
 
 Thin: parse flags, load a preset into a Pipeline, call the engine, benchmark or checker, print.
 Every expected failure (bad preset, missing model, mismatched tokenizer, over-long prompt, bad
@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from tqdm import tqdm
+from transformers.utils import logging as transformers_logging
 
 from localspec.engine import GenerationError, StepEvent
 from localspec.models import ModelLoadError
@@ -34,6 +35,8 @@ class ProgressBar:
         if message != self._message:
             self.close()
             self._message = message
+            if fraction >= 1.0:  # a stage that is already done needs no bar
+                return
             self._bar = tqdm(total=100, desc=message, unit="%", file=sys.stderr, leave=False)
         if self._bar is not None:
             self._bar.update(int(100 * fraction) - self._bar.n)
@@ -120,6 +123,46 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return 0 if report["passed"] else 1
 
 
+def _cmd_presets(args: argparse.Namespace) -> int:
+    from localspec.hardware import HARDWARE_LABELS, detect_hardware, survey_presets
+
+    hardware = detect_hardware()
+    rows = survey_presets(hardware)
+    if args.json:
+        print(json.dumps({
+            "hardware": hardware.describe(),
+            "presets": [{"preset": r.key, "name": r.title, "hardware": r.hardware,
+                         "method": r.preset.speculative_config.method if r.preset else None,
+                         "memory_gib": round(r.estimate.total / 2**30, 2) if r.estimate else None,
+                         "fits": r.fits, "reason": r.reason, "error": r.error} for r in rows],
+        }, ensure_ascii=False))
+        return 0
+    print(f"This machine: {hardware.describe()}\n")
+    group = None
+    for r in rows:
+        if r.hardware != group:
+            group = r.hardware
+            print(f"{HARDWARE_LABELS.get(group, group)}:")
+        mark = "ok " if r.fits else "-- "
+        if r.error is not None:
+            print(f"  !! {r.key}: {r.error}")
+            continue
+        method = r.preset.speculative_config.method
+        print(f"  {mark}{r.key:<30} {method:<11} {r.reason}")
+    print("\nok = fits this machine (estimate computed from each model's config and quantization)")
+    return 0
+
+
+def _cmd_export_vllm(args: argparse.Namespace) -> int:
+    from localspec.export import export_vllm
+
+    result = export_vllm(load_preset(args.preset_name))
+    for note in result.notes:
+        print(f"# {note}", file=sys.stderr)
+    print(result.command)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="localspec", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -152,11 +195,21 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--prompts", default=None, help="JSONL file (default: built-in set)")
     verify.add_argument("--max-new-tokens", type=int, default=64)
     verify.set_defaults(func=_cmd_verify)
+
+    presets = sub.add_parser("presets", help="list presets and what fits this machine")
+    presets.add_argument("--json", action="store_true", help="print one JSON object")
+    presets.set_defaults(func=_cmd_presets)
+
+    export = sub.add_parser("export-vllm", help="print the equivalent `vllm serve` command")
+    export.add_argument("preset_name", metavar="PRESET",
+                        help="a name from presets/ or a path to a .toml file")
+    export.set_defaults(func=_cmd_export_vllm)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    transformers_logging.disable_progress_bar()  # our own bar shows loading; one is enough
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

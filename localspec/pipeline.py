@@ -15,7 +15,7 @@ from localspec.drafters.draft_model import DraftModelDrafter, frequent_token_row
 from localspec.drafters.lookup_first import LookupFirstDrafter
 from localspec.drafters.ngram import NgramDrafter
 from localspec.engine import GenerationRequest, SpeculativeEngine, StepEvent
-from localspec.models import LoadedModel, Progress, check_same_tokenizer, load_model
+from localspec.models import LoadedModel, ModelSpec, Progress, check_same_tokenizer, load_model
 from localspec.presets import METHODS, Preset, PresetError
 from localspec.runner import ModelRunner
 from localspec.stats import GenerationStats
@@ -42,14 +42,27 @@ class Pipeline:
     _runner: ModelRunner | None = None
 
     @classmethod
-    def load(cls, preset: Preset, progress: Progress | None = None,
-             load_draft: bool = True) -> Pipeline:
+    def load(cls, preset: Preset, progress: Progress | None = None, load_draft: bool = True,
+             previous: Pipeline | None = None) -> Pipeline:
+        """Load the preset's models, reusing ``previous``'s target/draft where the spec matches
+        (switching only the drafter must not reload a 1.5B target)."""
         kwargs = {} if progress is None else {"progress": progress}
-        target = load_model(preset.target_spec(), **kwargs)
+        loaded: dict[ModelSpec, LoadedModel] = {}
+        if previous is not None:
+            loaded[previous.preset.target_spec()] = previous.target
+            if previous.draft is not None and (spec := previous.preset.draft_spec()) is not None:
+                loaded[spec] = previous.draft
+
+        def get(spec: ModelSpec) -> LoadedModel:
+            if spec not in loaded:
+                loaded[spec] = load_model(spec, **kwargs)
+            return loaded[spec]
+
+        target = get(preset.target_spec())
         draft_spec = preset.draft_spec()
         draft = None
         if draft_spec is not None and load_draft:
-            draft = load_model(draft_spec, **kwargs)
+            draft = get(draft_spec)
             check_same_tokenizer(target, draft)
         return cls(preset, target, draft)
 
