@@ -124,3 +124,36 @@ def test_cli_bad_inputs_give_clear_errors() -> None:
     out = _cli("generate", "--preset", "cpu-smollm2-ngram", "--prompt", "hi",
                "--num-speculative-tokens", "99")
     assert out.returncode == 2 and "num_speculative_tokens" in out.stderr
+
+
+def _tiny_prompts(tmp_path: Path) -> str:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"category": "edit", "prompt": "Repeat exactly: a b c d e f"})
+                    + "\n" + json.dumps({"messages": [{"role": "user", "content": "Hi!"}]})
+                    + "\n")
+    return str(path)
+
+
+def test_cli_bench_json(tmp_path: Path) -> None:
+    """bench runs our methods and transformers' anchors side by side and reports equality."""
+    out = _cli("bench", "--preset", "cpu-smollm2-ngram", "--prompts", _tiny_prompts(tmp_path),
+               "--methods", "none,ngram,hf-lookup", "--max-new-tokens", "12", "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert set(report["methods"]) == {"none", "ngram", "hf-lookup"}
+    for row in report["methods"].values():
+        assert {"tokens_per_second", "speedup", "acceptance_rate", "mean_accepted_length",
+                "identical_to_none"} <= set(row)
+    assert report["methods"]["none"]["speedup"] == 1.0
+    assert report["methods"]["ngram"]["identical_to_none"] is True
+    assert [p["category"] for p in report["prompts"]] == ["edit", ""]
+
+
+def test_cli_verify_passes_on_real_model(tmp_path: Path) -> None:
+    out = _cli("verify", "--preset", "cpu-smollm2-ngram", "--prompts", _tiny_prompts(tmp_path),
+               "--max-new-tokens", "12", "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["passed"] is True
+    assert {r["method"] for r in report["greedy"]} == {"ngram"}
+    assert all(0.0 <= r["p_value"] <= 1.0 for r in report["sampling"])
