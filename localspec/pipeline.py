@@ -10,6 +10,8 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from transformers import PreTrainedTokenizerBase
+
 from localspec.drafters.base import Drafter
 from localspec.drafters.draft_model import DraftModelDrafter, frequent_token_rows
 from localspec.drafters.lookup_first import LookupFirstDrafter
@@ -67,7 +69,7 @@ class Pipeline:
         return cls(preset, target, draft)
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> PreTrainedTokenizerBase:
         return self.target.tokenizer
 
     def eos_token_ids(self) -> set[int]:
