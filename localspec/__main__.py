@@ -1,7 +1,7 @@
-"""``python -m localspec``: see localspec.cli."""
+"""``python -m localspec``: see localspec.cli.main."""
 
 import sys
 
-from localspec.cli import main
+from localspec.cli.main import main
 
 sys.exit(main())

@@ -16,12 +16,14 @@ from localspec.drafters.base import Drafter
 from localspec.drafters.draft_model import DraftModelDrafter, frequent_token_rows
 from localspec.drafters.lookup_first import LookupFirstDrafter
 from localspec.drafters.ngram import NgramDrafter
-from localspec.engine import GenerationRequest, SpeculativeEngine, StepEvent
-from localspec.models import LoadedModel, ModelSpec, Progress, check_same_tokenizer, load_model
-from localspec.presets import METHODS, Preset, PresetError
-from localspec.runner import ModelRunner
-from localspec.stats import GenerationStats
-from localspec.verify import SamplingParams
+from localspec.engine.engine import GenerationRequest, SpeculativeEngine, StepEvent
+from localspec.config import METHODS, ModelSpec, Preset
+from localspec.errors import PresetError
+from localspec.models.cache import Progress
+from localspec.models.loading import LoadedModel, check_same_tokenizer, load_model
+from localspec.runtime.runner import ModelRunner
+from localspec.engine.stats import GenerationStats
+from localspec.engine.verify import SamplingParams
 
 
 @dataclass

@@ -15,8 +15,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config
 
-from localspec.engine import GenerationRequest, SpeculativeEngine, StepEvent
-from localspec.runner import ModelRunner
+from localspec.engine.engine import GenerationRequest, SpeculativeEngine, StepEvent
+from localspec.runtime.runner import ModelRunner
 
 VOCAB = 97
 PADDED_VOCAB = 101

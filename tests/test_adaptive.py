@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from localspec.adaptive import AdaptiveK, expected_tokens
+from localspec.engine.adaptive import AdaptiveK, expected_tokens
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import gradio as gr
 import pytest
 
-from localspec.hardware import detect_hardware
+from localspec.models.hardware import detect_hardware
 from localspec.ui.app import CHAT_OUTPUTS, RACE_OUTPUTS, SWITCH_OUTPUTS, ChatApp
 from localspec.ui.host import ModelHost
 

@@ -13,21 +13,21 @@ import torch
 from conftest import PADDED_VOCAB, VOCAB, collect, decode, make_tiny_model, perturbed_copy
 from transformers import PreTrainedModel
 
-import localspec.verify as verify_module
+import localspec.engine.verify as verify_module
 from localspec.drafters.base import Drafter
 from localspec.drafters.draft_model import DraftModelDrafter
 from localspec.drafters.lookup_first import LookupFirstDrafter
 from localspec.drafters.ngram import NgramDrafter
-from localspec.engine import (
-    MAX_SPECULATIVE_TOKENS,
+from localspec.config import MAX_SPECULATIVE_TOKENS
+from localspec.engine.engine import (
     GenerationError,
     GenerationRequest,
     SpeculativeEngine,
     StepEvent,
 )
-from localspec.runner import ModelRunner
-from localspec.stats import GenerationStats
-from localspec.verify import SamplingParams
+from localspec.runtime.runner import ModelRunner
+from localspec.engine.stats import GenerationStats
+from localspec.engine.verify import SamplingParams
 
 PROMPTS = {
     "random-a": [5, 17, 33, 2, 80, 41, 9],

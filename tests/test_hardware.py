@@ -14,9 +14,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig, Qwen2Config
 
-from localspec.cli import main
-from localspec.export import export_vllm
-from localspec.hardware import (
+from localspec.cli.main import main
+from localspec.cli.export import export_vllm
+from localspec.models.hardware import (
     GIB,
     HARDWARE_MEMORY,
     Architecture,
@@ -34,9 +34,9 @@ from localspec.hardware import (
     survey_presets,
     weight_bytes,
 )
-from localspec.models import cache_root
+from localspec.config import cache_root
 from localspec.presets import list_preset_names, load_preset
-from localspec.quant import quantize_int8_weight_only
+from localspec.runtime.quant import quantize_int8_weight_only
 
 SMALL = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2)
@@ -66,7 +66,7 @@ def test_builtin_models_count_exactly(name: str) -> None:
 
     with safe_open(str(folder / "model.safetensors"), "pt") as f:
         stored = sum(_prod(f.get_slice(k).get_shape()) for k in f.keys())  # noqa: SIM118
-    from localspec.hardware import _known_configs
+    from localspec.models.hardware import _known_configs
 
     assert count_parameters(architecture(name)).total == stored
     assert count_parameters(Architecture.from_config(_known_configs()[name])).total == stored

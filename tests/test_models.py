@@ -15,14 +15,13 @@ import pytest
 import torch
 from conftest import TOKENIZER_VOCAB, train_tokenizer
 
-import localspec.models as models_module
-from localspec.builtin_models import BUILTIN_MODELS, BuiltinModel
-from localspec.models import (
+import localspec.models.cache as models_module
+from localspec.config import ModelSpec, cache_root
+from localspec.models.builtin import BUILTIN_MODELS, BuiltinModel
+from localspec.models.cache import assemble_builtin
+from localspec.models.loading import (
     LoadedModel,
     ModelLoadError,
-    ModelSpec,
-    assemble_builtin,
-    cache_root,
     check_same_tokenizer,
     load_model,
     resolve_model,
@@ -316,7 +315,7 @@ def test_check_same_tokenizer_real(saved_model_dir: Path, tmp_path: Path) -> Non
 @pytest.mark.parametrize(
     ("spec_kwargs", "fragment"),
     [
-        ({"dtype": "int3"}, "dtype must be auto or one of float32, bfloat16, float16"),
+        ({"dtype": "int3"}, "dtype must be one of auto, float32, bfloat16, float16"),
         ({"device": "tpu"}, "device must be one of auto, cpu, cuda, got 'tpu'"),
         ({"quantization": "gptq"},
          "quantization must be one of none, int8-weight-only, bnb-4bit, bnb-8bit"),

@@ -9,7 +9,7 @@ import pytest
 from conftest import TOKENIZER_TEXTS, make_tiny_model, perturbed_copy, train_tokenizer
 
 from localspec.drafters.lookup_first import LookupFirstDrafter
-from localspec.models import ModelLoadError
+from localspec.models.loading import ModelLoadError
 from localspec.pipeline import Pipeline
 from localspec.presets import PresetError, load_preset
 

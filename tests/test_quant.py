@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from localspec.drafters.draft_model import frequent_token_rows
-from localspec.quant import Int8WeightOnlyLinear, quantize_int8_weight_only
-from localspec.runner import ModelRunner
+from localspec.runtime.quant import Int8WeightOnlyLinear, quantize_int8_weight_only
+from localspec.runtime.runner import ModelRunner
 
 
 def test_int8_linear_matches_float_within_quantization_error() -> None:

@@ -13,17 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from localspec.bench import load_prompts
-from localspec.builtin_models import BUILTIN_MODELS
-from localspec.check import check_greedy
-from localspec.engine import GenerationError
-from localspec.models import (
-    ModelLoadError,
-    ModelSpec,
-    _source_files,
-    check_same_tokenizer,
-    load_model,
-)
+from localspec.cli.bench import load_prompts
+from localspec.models.builtin import BUILTIN_MODELS
+from localspec.cli.check import check_greedy
+from localspec.engine.engine import GenerationError
+from localspec.config import ModelSpec
+from localspec.models.cache import _source_files
+from localspec.models.loading import ModelLoadError, check_same_tokenizer, load_model
 from localspec.pipeline import Pipeline
 from localspec.presets import load_preset
 

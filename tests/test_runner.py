@@ -7,7 +7,7 @@ import torch
 from conftest import make_tiny_model
 from transformers import PreTrainedModel
 
-from localspec.runner import ModelRunner, refine_top_logits
+from localspec.runtime.runner import ModelRunner, refine_top_logits
 
 TOKENS = [5, 17, 33, 2, 80, 41, 9, 60, 3, 91, 44, 12]
 

@@ -9,7 +9,7 @@ import re
 import pytest
 from conftest import TOKENIZER_TEXTS, train_tokenizer
 
-from localspec.engine import StepEvent
+from localspec.engine.engine import StepEvent
 from localspec.ui.render import (
     KINDS,
     LiveStats,

@@ -8,8 +8,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-import localspec.verify as verify_module
-from localspec.verify import (
+import localspec.engine.verify as verify_module
+from localspec.engine.verify import (
     SamplingParams,
     Verdict,
     acceptance_probability,

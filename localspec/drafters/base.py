@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from localspec.verify import SamplingParams
+from localspec.engine.verify import SamplingParams
 
 
 @dataclass(frozen=True)

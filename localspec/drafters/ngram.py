@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from localspec.drafters.base import Proposal
-from localspec.verify import SamplingParams
+from localspec.engine.verify import SamplingParams
 
 
 def find_ngram_continuation(

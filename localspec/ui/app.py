@@ -23,9 +23,9 @@ from typing import Any
 
 import gradio as gr
 
-from localspec.hardware import Hardware, PresetSummary, survey_presets
+from localspec.models.hardware import Hardware, PresetSummary, survey_presets
 from localspec.pipeline import Pipeline
-from localspec.presets import METHODS, Preset
+from localspec.config import METHODS, Preset
 from localspec.ui.host import ModelHost
 from localspec.ui.render import (
     CSS,

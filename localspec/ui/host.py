@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from localspec.models import Progress
+from localspec.models.cache import Progress
 from localspec.pipeline import Pipeline
 from localspec.presets import Preset, load_preset
 

@@ -22,8 +22,8 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from localspec.engine import StepEvent
-from localspec.stats import GenerationStats
+from localspec.engine.engine import StepEvent
+from localspec.engine.stats import GenerationStats
 
 KINDS = ("accepted", "recovered", "bonus", "target", "rejected")
 KIND_LABELS = {

@@ -21,17 +21,15 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from localspec.builtin_models import BUILTIN_MODELS
-from localspec.presets import HARDWARE, Preset
+from localspec.models.builtin import BUILTIN_MODELS
+from localspec.config import HARDWARE, HARDWARE_LABELS, Preset, cache_root
 
 GIB = 1024**3
-KNOWN_CONFIGS = Path(__file__).resolve().parent / "data" / "model_configs.json"
+KNOWN_CONFIGS = Path(__file__).resolve().parent.parent / "data" / "model_configs.json"
 DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float16": 2, "float32": 4}
 # Memory of each hardware class, as the preset's ``hardware`` names it.
 HARDWARE_MEMORY = {"gpu-8gb": 8 * GIB, "gpu-12gb": 12 * GIB, "gpu-16gb": 16 * GIB,
                    "gpu-24gb": 24 * GIB, "h100-80gb": 80 * GIB}
-HARDWARE_LABELS = {"cpu": "CPU", "gpu-8gb": "GPU 8 GB", "gpu-12gb": "GPU 12 GB",
-                   "gpu-16gb": "GPU 16 GB", "gpu-24gb": "GPU 24 GB", "h100-80gb": "H100 80 GB"}
 DEFAULT_CONTEXT = 4096  # tokens of KV cache the estimate reserves (prompt + answer)
 RUNTIME_OVERHEAD = GIB // 2  # CUDA context / PyTorch runtime, allocator slack
 WEIGHT_MARGIN = 0.05  # temporary buffers while loading and running, as a share of the weights
@@ -154,8 +152,6 @@ def _config_on_disk(model: str) -> Path | None:
     if path.is_dir() and (path / "config.json").is_file():
         return path / "config.json"
     if model in BUILTIN_MODELS:
-        from localspec.models import cache_root
-
         candidate = cache_root() / "models" / model / "config.json"
         return candidate if candidate.is_file() else None
     if model.count("/") == 1 and not path.exists():

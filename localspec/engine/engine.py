@@ -19,10 +19,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from localspec.adaptive import AdaptiveK
+from localspec.config import MAX_SPECULATIVE_TOKENS
+from localspec.engine.adaptive import AdaptiveK
 from localspec.drafters.base import Drafter, Proposal
-from localspec.runner import ModelRunner
-from localspec.verify import (
+from localspec.errors import LocalSpecError
+from localspec.runtime.runner import ModelRunner
+from localspec.engine.verify import (
     SamplingParams,
     Verdict,
     logits_to_probs,
@@ -30,10 +32,7 @@ from localspec.verify import (
     verify_sampling,
 )
 
-MAX_SPECULATIVE_TOKENS = 32
-
-
-class GenerationError(ValueError):
+class GenerationError(LocalSpecError):
     """A request the engine cannot serve (prompt too long, k out of range, ...)."""
 
 

@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
-from localspec.bench import encode, first_difference
+from localspec.cli.bench import encode, first_difference
 from localspec.pipeline import Pipeline
-from localspec.runner import ModelRunner
-from localspec.verify import SamplingParams, logits_to_probs, sample, verify_sampling
+from localspec.runtime.runner import ModelRunner
+from localspec.engine.verify import SamplingParams, logits_to_probs, sample, verify_sampling
 
 NEAR_TIE_LOGITS = 0.5
 P_VALUE_THRESHOLD = 1e-3

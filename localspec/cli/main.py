@@ -16,13 +16,11 @@ from collections.abc import Sequence
 from tqdm import tqdm
 from transformers.utils import logging as transformers_logging
 
-from localspec.engine import GenerationError, StepEvent
-from localspec.models import ModelLoadError
+from localspec.engine.engine import StepEvent
+from localspec.errors import LocalSpecError
 from localspec.pipeline import Pipeline
-from localspec.presets import DEFAULT_PRESET, METHODS, PresetError, load_preset
-
-EXPECTED_ERRORS = (PresetError, ModelLoadError, GenerationError, ValueError, FileNotFoundError)
-
+from localspec.config import DEFAULT_PRESET, HARDWARE_LABELS, METHODS
+from localspec.presets import load_preset
 
 class ProgressBar:
     """Progress callback for model assembly/loading: one tqdm bar per stage, on stderr."""
@@ -100,7 +98,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from localspec.bench import format_table, load_prompts, run_bench
+    from localspec.cli.bench import format_table, load_prompts, run_bench
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     prompts = load_prompts(args.prompts)
@@ -113,8 +111,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from localspec.bench import load_prompts
-    from localspec.check import format_report, run_checks
+    from localspec.cli.bench import load_prompts
+    from localspec.cli.check import format_report, run_checks
 
     pipe = load_pipeline(args.preset)
     report = run_checks(pipe, load_prompts(args.prompts), args.max_new_tokens,
@@ -124,7 +122,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_presets(args: argparse.Namespace) -> int:
-    from localspec.hardware import HARDWARE_LABELS, detect_hardware, survey_presets
+    from localspec.models.hardware import detect_hardware, survey_presets
 
     hardware = detect_hardware()
     rows = survey_presets(hardware)
@@ -154,7 +152,7 @@ def _cmd_presets(args: argparse.Namespace) -> int:
 
 
 def _cmd_export_vllm(args: argparse.Namespace) -> int:
-    from localspec.export import export_vllm
+    from localspec.cli.export import export_vllm
 
     result = export_vllm(load_preset(args.preset_name))
     for note in result.notes:
@@ -213,9 +211,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except EXPECTED_ERRORS as exc:
+    except LocalSpecError as exc:
         print(f"localspec: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("localspec: interrupted", file=sys.stderr)
         return 130
+
+
+def console() -> None:
+    """The ``localspec`` console command."""
+    sys.exit(main())

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from localspec.engine import StepEvent
+from localspec.engine.engine import StepEvent
 
 
 @dataclass

@@ -1,0 +1,253 @@
+"""LocalSpec's configuration: every name, limit and default, in one torch-free module.
+
+The single source of truth for what a preset or a request may say: speculative methods, dtypes,
+devices, quantizations, hardware classes, the bounds of every setting and their defaults. The
+preset schema is a set of frozen pydantic models (``extra="forbid"``, ``Literal`` choices,
+numeric bounds, finite floats only), as vLLM does for its ``SpeculativeConfig``; the engine, the
+model loader, the command line and the app's controls all read their choices and limits from
+here, and everything below the edge trusts a validated object.
+
+``[speculative_config]`` keeps vLLM's keys and meanings (``method``, ``model``,
+``num_speculative_tokens``, ``prompt_lookup_max``, ``prompt_lookup_min``, ``quantization``), so
+the same table can go to ``vllm serve --speculative-config``; LocalSpec's own knobs live in
+``[localspec]``.
+
+This module imports neither torch nor transformers: reading a preset costs milliseconds.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from localspec.errors import PresetError, RequestError
+
+# ----------------------------------------------------------------------------- names
+
+Method = Literal["none", "draft_model", "ngram"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+Device = Literal["auto", "cpu", "cuda"]
+Quantization = Literal["none", "int8-weight-only", "bnb-4bit", "bnb-8bit"]
+HardwareClass = Literal["cpu", "gpu-8gb", "gpu-12gb", "gpu-16gb", "gpu-24gb", "h100-80gb"]
+
+METHODS: tuple[str, ...] = get_args(Method)
+DTYPES: tuple[str, ...] = get_args(Dtype)
+DEVICES: tuple[str, ...] = get_args(Device)
+QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
+HARDWARE: tuple[str, ...] = get_args(HardwareClass)
+HARDWARE_LABELS = {"cpu": "CPU", "gpu-8gb": "GPU 8 GB", "gpu-12gb": "GPU 12 GB",
+                   "gpu-16gb": "GPU 16 GB", "gpu-24gb": "GPU 24 GB", "h100-80gb": "H100 80 GB"}
+DEFAULT_PRESET = "cpu-qwen-coder-draft"
+
+
+
+def cache_root() -> Path:
+    """Where assembled GGUF files and converted weights live (``LOCALSPEC_CACHE`` overrides)."""
+    env = os.environ.get("LOCALSPEC_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "localspec"
+
+
+# ----------------------------------------------------------------------------- limits
+
+MAX_SPECULATIVE_TOKENS = 32  # the most drafts one target pass verifies
+MAX_LOOKUP_NGRAM = 64
+MAX_NEW_TOKENS = 32768
+MAX_TEMPERATURE = 100.0
+MAX_TOP_K = 1_000_000
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
+MAX_NUM_SAMPLES = 1000
+MAX_BENCH_REPEATS = 100
+
+SpecTokens = Annotated[int, Field(ge=1, le=MAX_SPECULATIVE_TOKENS)]
+LookupN = Annotated[int, Field(ge=1, le=MAX_LOOKUP_NGRAM)]
+Temperature = Annotated[float, Field(ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
+TopK = Annotated[int, Field(ge=0, le=MAX_TOP_K)]
+NewTokens = Annotated[int, Field(ge=1, le=MAX_NEW_TOKENS)]
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
+Probability01 = Annotated[float, Field(ge=0.0, lt=1.0, allow_inf_nan=False)]
+NonEmpty = Annotated[str, Field(min_length=1)]
+
+_STRICT = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+# ----------------------------------------------------------------------------- the schema
+
+
+class TargetConfig(BaseModel):
+    """The model that answers."""
+
+    model_config = _STRICT
+
+    model: NonEmpty  # built-in name | Hugging Face repo id | folder | .gguf path
+    dtype: Dtype = "auto"
+    device: Device = "auto"
+    quantization: Quantization = "none"
+
+
+class SpeculativeConfig(BaseModel):
+    """vLLM's ``speculative_config`` keys (a subset), same names and meanings."""
+
+    model_config = _STRICT
+
+    method: Method = "none"
+    model: NonEmpty | None = None  # the draft model (method "draft_model")
+    num_speculative_tokens: SpecTokens = 5
+    prompt_lookup_max: LookupN = 4
+    prompt_lookup_min: LookupN = 1
+    quantization: Quantization = "none"  # of the draft model
+
+    @model_validator(mode="after")
+    def _consistent(self) -> SpeculativeConfig:
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("method 'draft_model' needs 'model' (the draft model to load)")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("need prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min} > {self.prompt_lookup_max}")
+        return self
+
+
+class SamplingConfig(BaseModel):
+    """How the target's distribution is shaped; temperature 0 is greedy."""
+
+    model_config = _STRICT
+
+    temperature: Temperature = 0.0
+    top_p: TopP = 1.0
+    top_k: TopK = 0  # 0 = off
+    max_new_tokens: NewTokens = 512
+    seed: Seed = 0
+
+
+class LocalSpecConfig(BaseModel):
+    """Settings vLLM does not have."""
+
+    model_config = _STRICT
+
+    adaptive_k: bool = True  # choose k each step from measured acceptance and costs
+    draft_dtype: Dtype = "auto"
+    draft_confidence_threshold: Probability01 = 0.3  # stop drafting below this confidence
+    logits_fp32: bool = True  # target's final norm and top logits in float32
+    draft_vocab_size: Annotated[int, Field(ge=0)] = 0  # draft LM head cut to N ids (0 = all)
+    lookup_first: bool = False  # draft_model: n-gram lookup first, the draft model on a miss
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Which model to load and how (validated values only)."""
+
+    model: str
+    dtype: str = "auto"
+    device: str = "auto"
+    quantization: str = "none"
+    revision: str | None = None
+    allow_pickle: bool = False
+
+
+class Preset(BaseModel):
+    """A target, a drafter and settings, as one ``presets/*.toml`` file says."""
+
+    model_config = _STRICT
+
+    name: NonEmpty
+    description: NonEmpty
+    hardware: HardwareClass
+    target: TargetConfig
+    speculative_config: SpeculativeConfig = SpeculativeConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    localspec: LocalSpecConfig = LocalSpecConfig()
+    path: Any = Field(default=None, exclude=True)  # the file it came from (set by the loader)
+
+    def target_spec(self) -> ModelSpec:
+        t = self.target
+        return ModelSpec(t.model, dtype=t.dtype, device=t.device, quantization=t.quantization)
+
+    def draft_spec(self) -> ModelSpec | None:
+        sc = self.speculative_config
+        if sc.model is None:
+            return None
+        return ModelSpec(sc.model, dtype=self.localspec.draft_dtype, device=self.target.device,
+                         quantization=sc.quantization)
+
+
+class RequestSettings(SamplingConfig):
+    """One generation's settings: the preset's, with any of them overridden."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=False)
+
+    num_speculative_tokens: SpecTokens = 5
+    adaptive: bool = True
+
+
+# ----------------------------------------------------------------------------- messages
+
+_TABLES = ("target", "speculative_config", "sampling", "localspec")
+
+
+def _where(loc: tuple[Any, ...]) -> str:
+    if not loc:
+        return ""
+    if loc[0] in _TABLES:
+        return f"[{loc[0]}]" + ("".join(f" {part}" for part in loc[1:]))
+    return " ".join(str(part) for part in loc)
+
+
+def _allowed(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """Keys allowed where an unknown key ``loc`` was found."""
+    if len(loc) > 1 and loc[0] in _TABLES:
+        model = Preset.model_fields[loc[0]].annotation  # type: ignore[assignment]
+    return [name for name, info in model.model_fields.items() if not info.exclude]
+
+
+def describe_errors(exc: ValidationError, model: type[BaseModel]) -> str:
+    """pydantic's errors as lines that name the key, the value and what is allowed."""
+    lines = []
+    for error in exc.errors(include_url=False):
+        loc, kind, value = tuple(error["loc"]), error["type"], error.get("input")
+        where, key = _where(loc), str(loc[-1]) if loc else ""
+        parent = _where(loc[:-1])
+        if kind == "extra_forbidden":
+            allowed = ", ".join(_allowed(model, loc))
+            lines.append(f"{parent + ': ' if parent else ''}unknown key '{key}'; allowed: "
+                         f"{allowed}")
+        elif kind == "missing":
+            lines.append(f"{parent + ': ' if parent else ''}missing required key '{key}'")
+        elif kind == "model_type" or (kind == "model_attributes_type"):
+            lines.append(f"{where} must be a table, got {type(value).__name__}")
+        elif kind == "literal_error":
+            choices = error.get("ctx", {}).get("expected", "")
+            lines.append(f"{where} = {value!r} is not one of: {choices}")
+        elif kind == "value_error":
+            message = str(error["msg"]).removeprefix("Value error, ")
+            lines.append(f"{where + ': ' if where else ''}{message}")
+        else:
+            lines.append(f"{where} = {value!r}: {error['msg']}")
+    return "; ".join(lines)
+
+
+def parse_preset(data: dict[str, Any], where: str = "preset") -> Preset:
+    """Validate a parsed TOML document (a dict) and build a Preset; PresetError names
+    ``where``, the key and what is allowed."""
+    if not isinstance(data, dict):
+        raise PresetError(f"{where}: a preset is a TOML table of keys")
+    if "path" in data:
+        raise PresetError(f"{where}: unknown key 'path'")
+    try:
+        return Preset.model_validate(data)
+    except ValidationError as exc:
+        raise PresetError(f"{where}: {describe_errors(exc, Preset)}") from None
+
+
+def request_settings(base: dict[str, Any], overrides: dict[str, Any]) -> RequestSettings:
+    """The preset's settings ``base`` with ``overrides`` (None = keep); RequestError if any is
+    out of range (NaN, negative, a seed beyond 64 bits, ...)."""
+    values = dict(base)
+    values.update({key: value for key, value in overrides.items() if value is not None})
+    try:
+        return RequestSettings.model_validate(values)
+    except ValidationError as exc:
+        raise RequestError(describe_errors(exc, RequestSettings)) from None

@@ -1,0 +1,3 @@
+"""The engine: the speculative loop and its events (``engine``), the verifier as pure functions
+(``verify``), adaptive draft length (``adaptive``) and statistics folded from events (``stats``).
+It knows token ids, never models' files, chat templates or the UI."""

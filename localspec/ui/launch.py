@@ -1,0 +1,49 @@
+"""``python app.py`` (or ``localspec-app``): the LocalSpec chat in your browser.
+
+Thin: parse flags, start loading the preset in the background, open the page at once (it shows
+the loading progress), serve on loopback unless ``--host`` says otherwise. The UI lives in
+``localspec/ui/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from localspec.config import DEFAULT_PRESET
+
+    parser = argparse.ArgumentParser(description="LocalSpec: chat with speculative decoding")
+    parser.add_argument("--preset", default=DEFAULT_PRESET,
+                        help="a name from presets/ or a path to a .toml file")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default: loopback only)")
+    parser.add_argument("--port", type=int, default=7860)
+    parser.add_argument("--share", action="store_true",
+                        help="also open a public Gradio share link (off by default)")
+    parser.add_argument("--no-browser", action="store_true", help="do not open a browser tab")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from localspec.models.hardware import detect_hardware
+    from localspec.ui.app import APP_CSS, build_app
+    from localspec.ui.host import ModelHost
+
+    host = ModelHost()
+    host.load_async(args.preset)
+    demo = build_app(host, detect_hardware(), args.preset)
+    demo.queue()
+    demo.launch(server_name=args.host, server_port=args.port, share=args.share,
+                inbrowser=not args.no_browser, css=APP_CSS, ssr_mode=False,
+                footer_links=["settings"])
+
+
+if __name__ == "__main__":
+    main()
