@@ -17,7 +17,7 @@ from localspec.drafters.draft_model import DraftModelDrafter, frequent_token_row
 from localspec.drafters.lookup_first import LookupFirstDrafter
 from localspec.drafters.ngram import NgramDrafter
 from localspec.engine.engine import GenerationRequest, SpeculativeEngine, StepEvent
-from localspec.config import METHODS, ModelSpec, Preset
+from localspec.config import METHODS, ModelSpec, Preset, request_settings
 from localspec.errors import PresetError
 from localspec.models.cache import Progress
 from localspec.models.loading import LoadedModel, check_same_tokenizer, load_model
@@ -136,21 +136,24 @@ class Pipeline:
                 self.eos_token_ids())
         return self._engines[method]
 
-    def request(self, prompt_ids: list[int], **overrides: object) -> GenerationRequest:
-        """A request with the preset's settings, any of them overridden by keyword."""
-        s, sc, ls = self.preset.sampling, self.preset.speculative_config, self.preset.localspec
-        values: dict[str, object] = {
-            "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
-            "max_new_tokens": s.max_new_tokens, "seed": s.seed,
-            "num_speculative_tokens": sc.num_speculative_tokens, "adaptive": ls.adaptive_k,
-        }
-        unknown = set(overrides) - set(values) - {"stop_strings"}
+    def request(self, prompt_ids: list[int], stop_strings: tuple[str, ...] = (),
+                **overrides: object) -> GenerationRequest:
+        """A request with the preset's settings, any of them overridden by keyword (None keeps
+        the preset's). Values are validated against ``localspec.config``'s bounds: RequestError
+        names the setting (NaN, a negative top-k, a seed beyond 64 bits, ...)."""
+        p = self.preset
+        base = {**p.sampling.model_dump(),
+                "num_speculative_tokens": p.speculative_config.num_speculative_tokens,
+                "adaptive": p.localspec.adaptive_k}
+        unknown = set(overrides) - set(base)
         if unknown:
             raise TypeError(f"unknown request settings: {', '.join(sorted(unknown))}")
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        sampling = SamplingParams(float(values.pop("temperature")), int(values.pop("top_k")),
-                                  float(values.pop("top_p")))
-        return GenerationRequest(prompt_ids=prompt_ids, sampling=sampling, **values)
+        r = request_settings(base, overrides)
+        return GenerationRequest(
+            prompt_ids=prompt_ids, max_new_tokens=r.max_new_tokens,
+            sampling=SamplingParams(r.temperature, r.top_k, r.top_p),
+            num_speculative_tokens=r.num_speculative_tokens, adaptive=r.adaptive,
+            stop_strings=stop_strings, seed=r.seed)
 
     def stream(self, request: GenerationRequest, method: str | None = None,
                cancelled: Callable[[], bool] = lambda: False) -> Iterator[StepEvent]:
