@@ -1,24 +1,31 @@
 """Model resolution and loading without real checkpoints: tiny random models saved to tmp_path,
-a fake Hugging Face cache used offline, fake built-in packages, and every error message that
-tells the user what to do."""
+a fake Hugging Face cache used offline, fake built-in packages, damaged files, and every error
+message that tells the user what to do. The cache itself (assembly, manifests, rebuilds, stale
+temporaries) is tested in test_cache.py, whose helpers are shared here."""
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
+import random
+import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import huggingface_hub.constants
 import pytest
 import torch
 from conftest import TOKENIZER_VOCAB, train_tokenizer
+from test_cache import (
+    damage,
+    first_load,
+    patch_find_spec,
+    same_weights,
+    weights,
+    write_tiny_gguf,
+)
 
-import localspec.models.cache as models_module
+import localspec.models.cache as cache
 from localspec.config import ModelSpec, cache_root
-from localspec.models.builtin import BUILTIN_MODELS, BuiltinModel
-from localspec.models.cache import assemble_builtin
+from localspec.models.builtin import BUILTIN_MODELS
 from localspec.models.loading import (
     LoadedModel,
     ModelLoadError,
@@ -44,31 +51,21 @@ def copy_tree(source: Path, dest: Path) -> None:
         (dest / file.name).write_bytes(file.read_bytes())
 
 
-def patch_find_spec(monkeypatch: pytest.MonkeyPatch, overrides: dict[str, Any]) -> None:
-    """importlib.util.find_spec answers ``overrides[name]`` for the names given, else as usual."""
-    original = importlib.util.find_spec
-
-    def find_spec(name: str, package: str | None = None) -> Any:
-        if name in overrides:
-            return overrides[name]
-        return original(name, package)
-
-    monkeypatch.setattr(models_module.importlib.util, "find_spec", find_spec)
-
-
 # ----------------------------------------------------------------------------- loading
 
 
 def test_load_from_folder(saved_model_dir: Path) -> None:
     """A save_pretrained folder loads in the requested dtype on the CPU, with its tokenizer."""
+    before = time.perf_counter()
     loaded = load_model(ModelSpec(str(saved_model_dir), dtype="float32", device="cpu"))
+    wall = time.perf_counter() - before
     assert loaded.folder == saved_model_dir and loaded.name == str(saved_model_dir)
     assert loaded.model.dtype == torch.float32
     assert loaded.model.device.type == "cpu"
     assert not loaded.model.training
     ids = loaded.tokenizer.encode("def add(a, b): hello")
     assert loaded.tokenizer.decode(ids) == "def add(a, b): hello"
-    assert loaded.load_seconds >= 0
+    assert 0 < loaded.load_seconds <= wall
     bf16 = load_model(ModelSpec(str(saved_model_dir), dtype="bfloat16"))
     assert bf16.model.dtype == torch.bfloat16
 
@@ -83,11 +80,16 @@ def test_load_from_folder_without_weights(tmp_path: Path, saved_model_dir: Path)
         load_model(ModelSpec(str(folder), dtype="float32"))
 
 
-def test_builtin_name_uses_converted_cache(saved_model_dir: Path) -> None:
-    """A built-in name whose converted folder is already cached loads from there (no package
-    and no GGUF needed)."""
+def test_builtin_name_uses_converted_cache(saved_model_dir: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A built-in name whose converted folder is already cached (and intact) loads from there
+    (no package and no GGUF needed)."""
     name = "smollm2-135m-instruct"
-    copy_tree(saved_model_dir, cache_root() / "models" / name)
+    folder = cache_root() / "models" / name
+    copy_tree(saved_model_dir, folder)
+    cache.write_manifest(folder / cache.MANIFEST_NAME, [p.name for p in folder.iterdir()])
+    patch_find_spec(monkeypatch, {p.replace("-", "_"): None
+                                  for p in BUILTIN_MODELS[name].packages})
     loaded = load_model(ModelSpec(name, dtype="float32"))
     assert loaded.folder == cache_root() / "models" / name
     assert loaded.model.config.vocab_size == TOKENIZER_VOCAB
@@ -162,14 +164,6 @@ def test_missing_gguf_file(tmp_path: Path) -> None:
     assert "absent.gguf" in str(info.value)
 
 
-def test_invalid_gguf_file(tmp_path: Path) -> None:
-    """A file that is not GGUF gives a ModelLoadError naming it, not a parser traceback."""
-    path = tmp_path / "junk.gguf"
-    path.write_bytes(b"not a gguf file at all" * 10)
-    with pytest.raises(ModelLoadError, match=r"junk\.gguf"):
-        resolve_model(ModelSpec(str(path)))
-
-
 # ----------------------------------------------------------------------------- built-ins
 
 
@@ -187,94 +181,76 @@ def test_missing_builtin_package_says_pip_install(name: str,
     assert f"'{name}'" in message
 
 
-def fake_builtin(parts: list[bytes], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                 sha256: str | None = None, size: int | None = None,
-                 member: bool = False) -> BuiltinModel:
-    """A BuiltinModel over fake installed packages holding ``parts``."""
-    whole = b"".join(parts)
-    packages = tuple(f"fake-model-part{i}" for i in range(1, len(parts) + 1))
-    overrides: dict[str, Any] = {}
-    for index, (package, data) in enumerate(zip(packages, parts, strict=True), start=1):
-        root = tmp_path / "site-packages" / package.replace("-", "_")
-        target = root / "whole.gguf" if member else root / "data" / f"part{index:02d}.bin"
-        target.parent.mkdir(parents=True)
-        target.write_bytes(data)
-        overrides[package.replace("-", "_")] = SimpleNamespace(
-            submodule_search_locations=[str(root)])
-    patch_find_spec(monkeypatch, overrides)
-    return BuiltinModel(
-        name="fake-model",
-        description="a fake built-in for tests",
-        packages=packages,
-        gguf_name="fake-model.gguf",
-        member="whole.gguf" if member else None,
-        size=len(whole) if size is None else size,
-        sha256=hashlib.sha256(whole).hexdigest() if sha256 is None else sha256,
-    )
+# ----------------------------------------------------------------------------- damaged files
 
 
-PARTS = [b"GGUF" + bytes(range(256)) * 3, b"second part" * 50, b"tail"]
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    write_tiny_gguf(path)
+    return path.read_bytes()
 
 
-def test_assemble_builtin_concatenates_and_marks(tmp_path: Path,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """Parts are concatenated in order, the digest marker is written, progress reaches 1, and
-    a second call uses the verified file without reading the packages again."""
-    builtin = fake_builtin(PARTS, tmp_path, monkeypatch)
-    fractions: list[float] = []
-    dest = assemble_builtin(builtin, lambda message, fraction: fractions.append(fraction))
-    assert dest == cache_root() / "gguf" / "fake-model.gguf"
-    assert dest.read_bytes() == b"".join(PARTS)
-    assert dest.with_suffix(".sha256").read_text().strip() == builtin.sha256
-    assert fractions and fractions[-1] == 1.0
-    assert [p.name for p in dest.parent.iterdir() if p.suffix == ".part"] == []
-    patch_find_spec(monkeypatch, {p.replace("-", "_"): None for p in builtin.packages})
-    assert assemble_builtin(builtin) == dest  # cached: packages no longer needed
+@pytest.fixture(scope="session")
+def larger_gguf(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    """Over 1 MiB, so that its first MiB is a truncated file that parses for a while."""
+    path = tmp_path_factory.mktemp("gguf") / "larger.gguf"
+    write_tiny_gguf(path, hidden=512)
+    return path.read_bytes()
 
 
-def test_assemble_builtin_single_member(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A built-in stored whole inside one package is copied and verified the same way."""
-    builtin = fake_builtin([b"".join(PARTS)], tmp_path, monkeypatch, member=True)
-    assert assemble_builtin(builtin).read_bytes() == b"".join(PARTS)
+def test_cached_folder_failing_to_load_is_rebuilt_once(tiny_gguf: bytes, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Damage the fingerprint cannot see (here: a manifest rewritten to match a truncated
+    file) makes loading fail; the cached folder is then rebuilt once and loads."""
+    spec, folder = first_load("builtin", tiny_gguf, tmp_path, monkeypatch)
+    written = weights(folder)
+    damage(folder / "model.safetensors", "truncated")
+    names = sorted(p.name for p in folder.iterdir() if p.name != cache.MANIFEST_NAME)
+    cache.write_manifest(folder / cache.MANIFEST_NAME, names)
+    messages: list[str] = []
+    loaded = load_model(spec, lambda m, f: messages.append(m))
+    assert same_weights(weights(loaded.folder), written)
+    assert any(m.startswith(f"cached {folder} failed to load (") for m in messages)
 
 
-@pytest.mark.parametrize("corruption", ["sha", "size"])
-def test_assemble_builtin_refuses_corrupt_parts(corruption: str, tmp_path: Path,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """A digest or size mismatch raises with the reinstall command and leaves no file."""
-    kwargs = {"sha256": "0" * 64} if corruption == "sha" else {"size": 12345}
-    builtin = fake_builtin(PARTS, tmp_path, monkeypatch, **kwargs)
+def test_damaged_user_folder_names_the_file(saved_model_dir: Path, tmp_path: Path) -> None:
+    """A user's own folder is never rebuilt: the error names the damaged file and its size."""
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    for file in saved_model_dir.iterdir():
+        (folder / file.name).write_bytes(file.read_bytes())
+    damage(folder / "model.safetensors", "truncated")
+    size = (folder / "model.safetensors").stat().st_size
     with pytest.raises(ModelLoadError) as info:
-        assemble_builtin(builtin)
+        load_model(ModelSpec(str(folder), dtype="float32"))
     message = str(info.value)
-    assert "pip install --force-reinstall fake-model-part1 fake-model-part2 fake-model-part3" \
-        in message
-    assert hashlib.sha256(b"".join(PARTS)).hexdigest() in message
-    gguf_dir = cache_root() / "gguf"
-    assert not (gguf_dir / "fake-model.gguf").exists()
-    assert not (gguf_dir / "fake-model.sha256").exists()
-    assert list(gguf_dir.iterdir()) == []
+    assert f"damaged or incomplete {folder / 'model.safetensors'} ({size:,} bytes)" in message
+    assert "Fix: save or copy the model folder again" in message
+    assert (folder / "model.safetensors").stat().st_size == size  # untouched
 
 
-def test_assemble_builtin_stale_marker_reassembles(tmp_path: Path,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """A cached file whose marker names another digest is rebuilt from the packages."""
-    builtin = fake_builtin(PARTS, tmp_path, monkeypatch)
-    dest = cache_root() / "gguf" / "fake-model.gguf"
-    dest.parent.mkdir(parents=True)
-    dest.write_bytes(b"x" * builtin.size)
-    dest.with_suffix(".sha256").write_text("f" * 64 + "\n")
-    assert assemble_builtin(builtin).read_bytes() == b"".join(PARTS)
-    assert dest.with_suffix(".sha256").read_text().strip() == builtin.sha256
+# ----------------------------------------------------------------------------- invalid GGUF
 
 
-def test_assemble_builtin_missing_part(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """An installed package without its data file: reinstall that package."""
-    builtin = fake_builtin(PARTS, tmp_path, monkeypatch)
-    (tmp_path / "site-packages" / "fake_model_part2" / "data" / "part02.bin").unlink()
-    with pytest.raises(ModelLoadError, match=r"lacks part02\.bin") as info:
-        assemble_builtin(builtin)
-    assert "pip install --force-reinstall fake-model-part2" in str(info.value)
+@pytest.mark.parametrize("content", ["first-1MiB", "header-only", "first-4", "first-1000",
+                                     "all-but-1", "empty", "random", "text"])
+def test_invalid_or_truncated_user_gguf(content: str, larger_gguf: bytes,
+                                        tmp_path: Path) -> None:
+    """A truncated GGUF (an interrupted download) or a file that is no GGUF at all is a
+    ModelLoadError naming the file and its size, never a struct.error traceback."""
+    blobs = {"first-1MiB": larger_gguf[:1 << 20], "header-only": larger_gguf[:24],
+             "first-4": larger_gguf[:4], "first-1000": larger_gguf[:1000],
+             "all-but-1": larger_gguf[:-1], "empty": b"",
+             "random": random.Random(1).randbytes(5000), "text": b"not a gguf " * 20}
+    path = tmp_path / f"{content}.gguf"
+    path.write_bytes(blobs[content])
+    with pytest.raises(ModelLoadError) as info:
+        resolve_model(ModelSpec(str(path)))
+    message = str(info.value)
+    assert f"{path} ({len(blobs[content]):,} bytes) is not a valid, complete GGUF" in message
+    assert "download or copy it again" in message
+    assert not list((cache_root() / "converted").glob("*"))
 
 
 # ----------------------------------------------------------------------------- tokenizers

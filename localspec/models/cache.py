@@ -1,5 +1,5 @@
 """The on-disk model cache: built-in GGUF files assembled from their packages, GGUF files
-converted once into safetensors folders.
+converted once into safetensors folders, and a manifest that proves each is still intact.
 
 GGUF checkpoints are dequantized by transformers on first load, which is slow (~80 s for a
 1.5B model on 2 CPU cores), so the result is cached once as a plain safetensors folder and
@@ -7,23 +7,42 @@ every later start loads that folder. A GGUF-loaded model refuses ``save_pretrain
 serializable"), so we write its config, tokenizer and state dict ourselves.
 
 Layout under ``cache_root()`` (``LOCALSPEC_CACHE`` moves it):
-  gguf/<file>.gguf              assembled built-in checkpoints
-  models/<built-in name>/       converted built-in models
-  converted/<stem>-<key>/       converted user .gguf files
+  gguf/<file>.gguf (+ .manifest.json)    assembled built-in checkpoints
+  models/<built-in name>/                converted built-in models (manifest inside)
+  converted/<stem>-<key>/                converted user .gguf files (manifest inside)
+
+Integrity: a disk error or a killed copy can leave a cached file damaged, even at the same
+size, and that must neither give garbage answers nor crash every later start. Each artefact's
+manifest records per file its size, full SHA-256 and a fingerprint (SHA-256 of 16 sampled
+blocks). Every load checks the fingerprint (milliseconds, even for 7 GB); a mismatch, or a
+missing or unreadable manifest, rebuilds the artefact from its source. The full SHA-256 is
+checked only where the whole file is read anyway (a built-in GGUF about to be converted).
+Not caught: same-size damage between the sampled blocks of a converted folder (only a full
+hash, seconds per GB, would see it); where such damage breaks loading, ``loading`` rebuilds.
+
+Temporary files carry their writer's PID and start time (``<name>.pid<PID>-<start>.<random>
+.part``): a killed writer's are removed at the start of the next assembly or conversion, a
+live one's are kept.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import logging
+import os
+import re
 import shutil
+import struct
 import tempfile
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
+import psutil
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from localspec.config import cache_root
 from localspec.errors import ModelLoadError
@@ -33,10 +52,167 @@ logger = logging.getLogger(__name__)
 
 Progress = Callable[[str, float], None]  # (message, fraction done in [0, 1])
 _CHUNK = 16 * 1024 * 1024
+MANIFEST_NAME = "localspec-manifest.json"  # inside a converted folder
+_MANIFEST_FORMAT = 1  # bump when the fingerprint's sampling changes: old manifests then fail
+_BLOCKS, _BLOCK_SIZE = 16, 64 * 1024  # the fingerprint: 1 MiB read from 16 places
+_TEMP_NAME = re.compile(r"\.pid(?P<pid>\d+)-(?P<started>\d+)\.\w+\.part$")  # see _writer_tag
+_LEGACY_TEMP_NAME = re.compile(r"^tmp\w{8}\.part$|\.tmp\w{8}$")  # written before PIDs were
+_LEGACY_STALE_SECONDS = 3600.0
+# What a truncated or garbled GGUF makes transformers' reader raise (found by fuzzing 5.24).
+_GGUF_READ_ERRORS = (OSError, ValueError, KeyError, IndexError, EOFError, OverflowError,
+                     RuntimeError, struct.error)
 
 
 def no_progress(message: str, fraction: float) -> None:
     logger.info("%s (%.0f%%)", message, 100 * fraction)
+
+
+# ----------------------------------------------------------------------------- integrity
+
+
+def _block_offsets(size: int) -> list[int]:
+    """Where the fingerprint reads: the whole file if small, else first, last and evenly
+    spaced blocks in between (deterministic, so writer and checker agree)."""
+    if size <= _BLOCKS * _BLOCK_SIZE:
+        return list(range(0, size, _BLOCK_SIZE))
+    last = size - _BLOCK_SIZE
+    return [last * i // (_BLOCKS - 1) for i in range(_BLOCKS)]
+
+
+def fingerprint(path: Path) -> dict[str, int | str]:
+    """Size plus SHA-256 of sampled blocks: catches truncation and most damage for the cost
+    of reading 1 MiB, so it can run at every load."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        for offset in _block_offsets(size):
+            f.seek(offset)
+            digest.update(f.read(_BLOCK_SIZE))
+    return {"size": size, "blocks_sha256": digest.hexdigest()}
+
+
+def sha256_file(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write ``path`` so that readers see the old file or the new one, never half of it."""
+    with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=path.parent, delete=False,
+                                     prefix=f"{path.name}.{_writer_tag()}.",
+                                     suffix=".part") as out:
+        tmp = Path(out.name)
+        try:
+            out.write(text)
+            out.flush()
+            os.fsync(out.fileno())
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+    tmp.replace(path)
+
+
+def write_manifest(manifest: Path, names: Iterable[str],
+                   sha256: Mapping[str, str] | None = None) -> None:
+    """Record size, fingerprint and full SHA-256 of ``names`` (relative to the manifest's
+    folder); ``sha256`` supplies digests already known, saving a re-read."""
+    known = sha256 or {}
+    files = {}
+    for name in names:
+        path = manifest.parent / name
+        files[name] = {**fingerprint(path), "sha256": known.get(name) or sha256_file(path)}
+    data = {"format": _MANIFEST_FORMAT, "block_size": _BLOCK_SIZE, "blocks": _BLOCKS,
+            "files": files}
+    _write_atomic(manifest, json.dumps(data, indent=1, sort_keys=True) + "\n")
+
+
+def verify_manifest(manifest: Path, full: bool = False,
+                    pinned: Mapping[str, str] | None = None) -> str | None:
+    """Why the files a manifest lists are not as written, or None if they are: the cheap
+    fingerprint always, the full SHA-256 with ``full``. ``pinned`` digests must be the ones
+    recorded (a built-in GGUF of another version is not the one we want)."""
+    try:
+        data = json.loads(manifest.read_text(encoding="utf-8"))
+        files = {name: (entry["size"], entry["blocks_sha256"], entry["sha256"])
+                 for name, entry in data["files"].items()}
+        if data["format"] != _MANIFEST_FORMAT or not files:
+            return "manifest of another format"
+    except FileNotFoundError:
+        return "no manifest"
+    # bad UTF-8 or JSON (ValueError), or JSON of another shape (the other three)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        return f"manifest unreadable ({exc.__class__.__name__})"
+    for name, digest in (pinned or {}).items():
+        if files.get(name, (0, "", ""))[2] != digest:
+            return f"{name}: recorded SHA-256 is not the expected one"
+    for name, (size, blocks_sha256, sha256) in files.items():
+        path = manifest.parent / name
+        try:
+            actual = fingerprint(path)
+        except OSError as exc:
+            return f"{name} unreadable ({exc.__class__.__name__})"
+        if actual["size"] != size:
+            return f"{name}: size differs ({actual['size']} bytes, {size} written)"
+        if actual["blocks_sha256"] != blocks_sha256:
+            return f"{name}: sampled blocks differ"
+        if full and sha256_file(path) != sha256:
+            return f"{name}: SHA-256 differs"
+    return None
+
+
+def _rebuilding(artefact: Path, problem: str, progress: Progress) -> None:
+    message = f"cached {artefact} failed its integrity check ({problem}): rebuilding"
+    logger.warning(message)
+    progress(message, 0.0)
+
+
+def _writer_tag() -> str:
+    """``pid<PID>-<start time>``: the start time tells a reused PID apart (a restarted
+    container often gets the same PID as the killed one)."""
+    return f"pid{os.getpid()}-{int(psutil.Process().create_time())}"
+
+
+def _writer_alive(pid: int, started: int) -> bool:
+    try:
+        return abs(psutil.Process(pid).create_time() - started) < 2  # boot-time jitter
+    except psutil.NoSuchProcess:  # zombies included
+        return False
+    except psutil.AccessDenied:  # alive, someone else's
+        return True
+
+
+def remove_stale_temps(directory: Path) -> list[Path]:
+    """Delete the temporary files and folders of killed writers in ``directory``: those whose
+    recorded PID is gone, and PID-less (older) ones untouched for an hour."""
+    removed: list[Path] = []
+    if not directory.is_dir():
+        return removed
+    for entry in directory.iterdir():
+        match = _TEMP_NAME.search(entry.name)
+        try:
+            if match is not None:
+                stale = not _writer_alive(int(match["pid"]), int(match["started"]))
+            elif _LEGACY_TEMP_NAME.search(entry.name):
+                stale = time.time() - entry.stat().st_mtime > _LEGACY_STALE_SECONDS
+            else:
+                continue
+            if not stale:
+                continue
+            if entry.is_dir():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+        except FileNotFoundError:  # another process cleaned it first
+            continue
+        except OSError as exc:
+            logger.warning("could not remove stale temporary %s: %s", entry, exc)
+            continue
+        logger.info("removed stale temporary %s (its writer is gone)", entry)
+        removed.append(entry)
+    return removed
+
+
+# ----------------------------------------------------------------------------- built-in GGUF
 
 
 def _package_dir(package: str, model: BuiltinModel) -> Path:
@@ -62,18 +238,41 @@ def _source_files(model: BuiltinModel) -> list[Path]:
     return files
 
 
-def assemble_builtin(model: BuiltinModel, progress: Progress = no_progress) -> Path:
-    """Concatenate the parts into the cache once; verify size and SHA-256; return the .gguf."""
+def _gguf_manifest(dest: Path) -> Path:
+    return dest.with_name(dest.name + ".manifest.json")
+
+
+def _cached_gguf_ok(model: BuiltinModel, dest: Path, full: bool, progress: Progress) -> bool:
+    """Whether the assembled file is intact; a file from before manifests is adopted only
+    after its full SHA-256 matches the pinned one."""
+    if not dest.is_file():
+        return False
+    manifest = _gguf_manifest(dest)
+    problem = verify_manifest(manifest, full=full, pinned={dest.name: model.sha256})
+    if problem is None:
+        return True
+    if (not manifest.exists() and dest.stat().st_size == model.size
+            and sha256_file(dest) == model.sha256):
+        write_manifest(manifest, [dest.name], {dest.name: model.sha256})
+        return True
+    _rebuilding(dest, problem, progress)
+    return False
+
+
+def assemble_builtin(model: BuiltinModel, progress: Progress = no_progress,
+                     full: bool = False) -> Path:
+    """Concatenate the parts into the cache once; verify size and SHA-256; return the .gguf.
+    A cached file is checked by its fingerprint (``full``: by its whole SHA-256)."""
     dest = cache_root() / "gguf" / model.gguf_name
-    verified = dest.with_suffix(".sha256")
-    if (dest.is_file() and dest.stat().st_size == model.size and verified.is_file()
-            and verified.read_text().strip() == model.sha256):
+    if _cached_gguf_ok(model, dest, full, progress):
         return dest
     sources = _source_files(model)
     dest.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(dest.parent)
     digest = hashlib.sha256()
     done = 0
-    with tempfile.NamedTemporaryFile(dir=dest.parent, delete=False, suffix=".part") as out:
+    with tempfile.NamedTemporaryFile(dir=dest.parent, delete=False, suffix=".part",
+                                     prefix=f"{dest.name}.{_writer_tag()}.") as out:
         tmp = Path(out.name)
         try:
             for source in sources:
@@ -94,23 +293,39 @@ def assemble_builtin(model: BuiltinModel, progress: Progress = no_progress) -> P
             f"version. Fix: pip install --force-reinstall {' '.join(model.packages)}"
         )
     tmp.replace(dest)
-    verified.write_text(model.sha256 + "\n")
+    write_manifest(_gguf_manifest(dest), [dest.name], {dest.name: model.sha256})
+    dest.with_suffix(".sha256").unlink(missing_ok=True)  # the marker before manifests
     return dest
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress = no_progress) -> Path:
-    """Dequantize a GGUF checkpoint once into a safetensors folder (config, tokenizer, weights)."""
-    from safetensors.torch import save_file
+# ----------------------------------------------------------------------------- conversion
 
-    if (out_dir / "model.safetensors").is_file():
-        return out_dir
-    progress(f"converting {gguf_path.name} (first start only; a minute or two)", 0.0)
+
+def _read_gguf(gguf_path: Path) -> tuple[object, PreTrainedModel]:
+    """Tokenizer and model of a GGUF file; a truncated or non-GGUF file is a ModelLoadError
+    that names it and its size, not a parser traceback."""
     folder, name = str(gguf_path.parent), gguf_path.name
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    except (OSError, ValueError, KeyError, RuntimeError) as exc:
-        raise ModelLoadError(f"could not read GGUF file {gguf_path}: {exc}") from exc
+    except _GGUF_READ_ERRORS as exc:
+        size = gguf_path.stat().st_size if gguf_path.is_file() else 0
+        raise ModelLoadError(
+            f"{gguf_path} ({size:,} bytes) is not a valid, complete GGUF model file "
+            f"(the reader says: {str(exc)[:200]}). It may be truncated (an interrupted "
+            "download or copy) or not a GGUF file at all. Fix: download or copy it again, or "
+            "point the preset at another model."
+        ) from exc
+    return tokenizer, model
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress = no_progress) -> Path:
+    """Dequantize a GGUF checkpoint into a safetensors folder (config, tokenizer, weights and
+    a manifest), replacing whatever ``out_dir`` held."""
+    from safetensors.torch import save_file
+
+    progress(f"converting {gguf_path.name} (done once; a minute or two)", 0.0)
+    tokenizer, model = _read_gguf(gguf_path)
     state = model.state_dict()
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -118,13 +333,16 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress = no_progres
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=out_dir.name + ".tmp"))
+    remove_stale_temps(out_dir.parent)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, suffix=".part",
+                                prefix=f"{out_dir.name}.{_writer_tag()}."))
     try:
         config.save_pretrained(tmp)
         model.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         save_file({k: v.contiguous() for k, v in state.items()}, tmp / "model.safetensors",
-                  metadata={"format": "pt", "source": name})
+                  metadata={"format": "pt", "source": gguf_path.name})
+        write_manifest(tmp / MANIFEST_NAME, sorted(p.name for p in tmp.iterdir()))
         if out_dir.exists():
             shutil.rmtree(out_dir)
         tmp.replace(out_dir)
@@ -135,22 +353,37 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress = no_progres
     return out_dir
 
 
+def _cached_dir_ok(out_dir: Path, progress: Progress) -> bool:
+    if not out_dir.exists():
+        return False
+    problem = verify_manifest(out_dir / MANIFEST_NAME)
+    if problem is None:
+        return True
+    _rebuilding(out_dir, problem, progress)
+    return False
+
+
 def _gguf_cache_dir(gguf_path: Path) -> Path:
     stat = gguf_path.stat()
     key = hashlib.sha256(f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
     return cache_root() / "converted" / f"{gguf_path.stem}-{key.hexdigest()[:12]}"
 
 
-
-
-def builtin_model_dir(model: BuiltinModel, progress: Progress = no_progress) -> Path:
-    """The converted folder of a built-in model, assembled and converted on first use."""
+def builtin_model_dir(model: BuiltinModel, progress: Progress = no_progress,
+                      rebuild: bool = False) -> Path:
+    """The converted folder of a built-in model, assembled and converted on first use and
+    whenever it fails its integrity check (or ``rebuild``)."""
     out_dir = cache_root() / "models" / model.name
-    if (out_dir / "model.safetensors").is_file():
+    if not rebuild and _cached_dir_ok(out_dir, progress):
         return out_dir
-    return convert_gguf(assemble_builtin(model, progress), out_dir, progress)
+    # the whole GGUF is about to be read anyway: check all of it, not just the fingerprint
+    return convert_gguf(assemble_builtin(model, progress, full=True), out_dir, progress)
 
 
-def converted_gguf_dir(gguf_path: Path, progress: Progress = no_progress) -> Path:
+def converted_gguf_dir(gguf_path: Path, progress: Progress = no_progress,
+                       rebuild: bool = False) -> Path:
     """The converted folder of a user's .gguf file (keyed by its path, size and mtime)."""
-    return convert_gguf(gguf_path, _gguf_cache_dir(gguf_path), progress)
+    out_dir = _gguf_cache_dir(gguf_path)
+    if not rebuild and _cached_dir_ok(out_dir, progress):
+        return out_dir
+    return convert_gguf(gguf_path, out_dir, progress)

@@ -8,7 +8,9 @@ A model is named by
 
 GGUF checkpoints are converted once into a safetensors folder by ``localspec.models.cache``,
 which also checks that what is on disk is what was written. This module resolves a name to a
-folder and loads it in the requested dtype, device and quantization.
+folder and loads it in the requested dtype, device and quantization. A cached folder (a, d)
+that still fails to load with a damaged-file error is rebuilt once; a user's own folder (b, c)
+is never touched: its error names the damaged file.
 
 Security defaults: never ``trust_remote_code``; safetensors only unless the caller opts in to
 pickle checkpoints.
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from localspec.config import DEVICES, DTYPES, QUANTIZATIONS, ModelSpec
@@ -81,16 +84,23 @@ def _hub_snapshot(repo_id: str, revision: str | None, allow_pickle: bool) -> Pat
             f"could not fetch '{repo_id}' from the Hugging Face Hub: {exc}") from exc
 
 
-def resolve_model(spec: ModelSpec, progress: Progress = no_progress) -> Path:
-    """Turn a model name into a local folder in save_pretrained layout."""
+def _is_cached_conversion(name: str) -> bool:
+    """Whether ``name`` resolves to a folder this program wrote (and may rebuild)."""
+    return name in BUILTIN_MODELS or Path(name).suffix == ".gguf"
+
+
+def resolve_model(spec: ModelSpec, progress: Progress = no_progress,
+                  rebuild: bool = False) -> Path:
+    """Turn a model name into a local folder in save_pretrained layout. ``rebuild`` converts
+    a built-in or .gguf model again even if its cached folder passes its integrity check."""
     name = spec.model
     if name in BUILTIN_MODELS:
-        return builtin_model_dir(BUILTIN_MODELS[name], progress)
+        return builtin_model_dir(BUILTIN_MODELS[name], progress, rebuild=rebuild)
     path = Path(name).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelLoadError(f"GGUF file not found: {path}")
-        return converted_gguf_dir(path, progress)
+        return converted_gguf_dir(path, progress, rebuild=rebuild)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"folder {path} has no config.json: not a save_pretrained model")
@@ -145,14 +155,39 @@ def _quantization_config(quantization: str, dtype: torch.dtype) -> object | None
     return BitsAndBytesConfig(load_in_8bit=True)
 
 
-def load_model(spec: ModelSpec, progress: Progress = no_progress) -> LoadedModel:
-    """Resolve, then load model and tokenizer in the requested dtype/device/quantization."""
-    start = time.perf_counter()
-    device = pick_device(spec.device)
-    dtype = pick_dtype(spec.dtype, device)
-    quantization = _quantization_config(spec.quantization, dtype)
-    folder = resolve_model(spec, progress)
-    progress(f"loading {spec.model}", 0.0)
+def _damaged_weights(folder: Path) -> list[Path]:
+    """The safetensors files in ``folder`` whose header or length is broken."""
+    damaged = []
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(path, framework="pt") as f:
+                f.keys()
+        except (SafetensorError, OSError):
+            damaged.append(path)
+    return damaged
+
+
+def _load_error(spec: ModelSpec, folder: Path, exc: Exception) -> ModelLoadError:
+    """The message for a folder that fails to load: which file is damaged and what to do."""
+    damaged = _damaged_weights(folder) if isinstance(exc, SafetensorError) else []
+    if not damaged:
+        return ModelLoadError(f"could not load {spec.model} from {folder}: {exc}")
+    files = ", ".join(f"{path} ({path.stat().st_size:,} bytes)" for path in damaged)
+    if _is_cached_conversion(spec.model):
+        fix = f"delete {folder} and start again; if this repeats, check the disk (space, errors)"
+    elif _looks_like_repo_id(spec.model) and not Path(spec.model).exists():
+        fix = f"download it again: hf download {spec.model} --force-download"
+    else:
+        fix = "save or copy the model folder again"
+    return ModelLoadError(f"could not load {spec.model}: damaged or incomplete {files} "
+                          f"({exc}). Fix: {fix}")
+
+
+def _load_folder(spec: ModelSpec, folder: Path, device: str, dtype: torch.dtype,
+                 quantization: object | None) -> tuple[object, PreTrainedModel]:
+    """Tokenizer and model from ``folder``. A damaged file's SafetensorError or OSError
+    propagates so that the caller can rebuild a cached folder; other failures are
+    ModelLoadErrors here."""
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
         model = AutoModelForCausalLM.from_pretrained(
@@ -166,8 +201,33 @@ def load_model(spec: ModelSpec, progress: Progress = no_progress) -> LoadedModel
     except torch.cuda.OutOfMemoryError as exc:
         raise ModelLoadError(f"out of GPU memory loading {spec.model}: pick a smaller model "
                              "or a 4-bit quantization") from exc
-    except (OSError, ValueError, RuntimeError, ImportError, KeyError) as exc:
+    except (ValueError, RuntimeError, ImportError, KeyError) as exc:
         raise ModelLoadError(f"could not load {spec.model} from {folder}: {exc}") from exc
+    return tokenizer, model
+
+
+def load_model(spec: ModelSpec, progress: Progress = no_progress) -> LoadedModel:
+    """Resolve, then load model and tokenizer in the requested dtype/device/quantization.
+    A cached conversion that fails to load (damage its fingerprint missed) is rebuilt once."""
+    start = time.perf_counter()
+    device = pick_device(spec.device)
+    dtype = pick_dtype(spec.dtype, device)
+    quantization = _quantization_config(spec.quantization, dtype)
+    folder = resolve_model(spec, progress)
+    progress(f"loading {spec.model}", 0.0)
+    try:
+        tokenizer, model = _load_folder(spec, folder, device, dtype, quantization)
+    except (SafetensorError, OSError) as exc:
+        if not _is_cached_conversion(spec.model):
+            raise _load_error(spec, folder, exc) from exc
+        message = f"cached {folder} failed to load ({exc}): rebuilding"
+        logger.warning(message)
+        progress(message, 0.0)
+        folder = resolve_model(spec, progress, rebuild=True)
+        try:
+            tokenizer, model = _load_folder(spec, folder, device, dtype, quantization)
+        except (SafetensorError, OSError) as again:
+            raise _load_error(spec, folder, again) from again
     model.eval()
     if spec.quantization == "int8-weight-only":
         quantize_int8_weight_only(model, skip=("lm_head",))

@@ -1,0 +1,437 @@
+"""The model cache without real checkpoints: fake built-in packages, tiny GGUF files written
+with the ``gguf`` package and converted for real, and every kind of damage a cache meets on
+disk (same-size corruption, truncation, lost or garbled manifests, killed writers' leftovers,
+truncated user files)."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import gguf
+import numpy as np
+import psutil
+import pytest
+import torch
+from conftest import TOKENIZER_TEXTS, train_tokenizer
+
+import localspec.models.cache as cache
+from localspec.config import ModelSpec, cache_root
+from localspec.errors import ModelLoadError
+from localspec.models.builtin import BUILTIN_MODELS, BuiltinModel
+from localspec.models.loading import load_model
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No real cache is touched and relative names resolve in an empty directory."""
+    monkeypatch.setenv("LOCALSPEC_CACHE", str(tmp_path / "localspec-cache"))
+    monkeypatch.chdir(tmp_path)
+
+
+def patch_find_spec(monkeypatch: pytest.MonkeyPatch, overrides: dict[str, Any]) -> None:
+    """importlib.util.find_spec answers ``overrides[name]`` for the names given, else as usual."""
+    original = importlib.util.find_spec
+
+    def find_spec(name: str, package: str | None = None) -> Any:
+        if name in overrides:
+            return overrides[name]
+        return original(name, package)
+
+    monkeypatch.setattr(cache.importlib.util, "find_spec", find_spec)
+
+
+def fake_builtin(parts: list[bytes], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                 sha256: str | None = None, size: int | None = None,
+                 member: bool = False) -> BuiltinModel:
+    """A BuiltinModel 'fake-model' over fake installed packages holding ``parts``, also
+    registered as a built-in name for ``load_model``."""
+    whole = b"".join(parts)
+    packages = tuple(f"fake-model-part{i}" for i in range(1, len(parts) + 1))
+    overrides: dict[str, Any] = {}
+    for index, (package, data) in enumerate(zip(packages, parts, strict=True), start=1):
+        root = tmp_path / "site-packages" / package.replace("-", "_")
+        target = root / "whole.gguf" if member else root / "data" / f"part{index:02d}.bin"
+        target.parent.mkdir(parents=True)
+        target.write_bytes(data)
+        overrides[package.replace("-", "_")] = SimpleNamespace(
+            submodule_search_locations=[str(root)])
+    patch_find_spec(monkeypatch, overrides)
+    model = BuiltinModel(
+        name="fake-model",
+        description="a fake built-in for tests",
+        packages=packages,
+        gguf_name="fake-model.gguf",
+        member="whole.gguf" if member else None,
+        size=len(whole) if size is None else size,
+        sha256=hashlib.sha256(whole).hexdigest() if sha256 is None else sha256,
+    )
+    monkeypatch.setitem(BUILTIN_MODELS, model.name, model)
+    return model
+
+
+def write_tiny_gguf(path: Path, hidden: int = 32) -> None:
+    """A random one-layer Qwen2 in F32 GGUF with a byte-level BPE tokenizer: what llama.cpp
+    writes, small enough for transformers to dequantize in a fraction of a second."""
+    data = json.loads(train_tokenizer(TOKENIZER_TEXTS).backend_tokenizer.to_str())
+    tokens = [t for t, _ in sorted(data["model"]["vocab"].items(), key=lambda item: item[1])]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
+    heads, kv_heads, ff = 4, 2, 64
+    kv = kv_heads * hidden // heads
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    writer.add_context_length(64)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(1)
+    writer.add_feed_forward_length(ff)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_merges(merges)
+    writer.add_token_types([1] * len(tokens))
+    writer.add_eos_token_id(tokens.index("<|endoftext|>"))
+    rng = np.random.default_rng(0)
+    shapes = {"token_embd.weight": (len(tokens), hidden), "output_norm.weight": (hidden,),
+              "output.weight": (len(tokens), hidden), "blk.0.attn_norm.weight": (hidden,),
+              "blk.0.attn_q.weight": (hidden, hidden), "blk.0.attn_q.bias": (hidden,),
+              "blk.0.attn_k.weight": (kv, hidden), "blk.0.attn_k.bias": (kv,),
+              "blk.0.attn_v.weight": (kv, hidden), "blk.0.attn_v.bias": (kv,),
+              "blk.0.attn_output.weight": (hidden, hidden), "blk.0.ffn_norm.weight": (hidden,),
+              "blk.0.ffn_gate.weight": (ff, hidden), "blk.0.ffn_up.weight": (ff, hidden),
+              "blk.0.ffn_down.weight": (hidden, ff)}
+    for name, shape in shapes.items():
+        writer.add_tensor(name, (0.1 * rng.standard_normal(shape)).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    write_tiny_gguf(path)
+    return path.read_bytes()
+
+
+def damage(path: Path, how: str) -> None:
+    """Same-size damage flips the last 64 bytes (tensor data); truncation keeps half."""
+    data = path.read_bytes()
+    if how == "same-size":
+        data = data[:-64] + bytes(255 - b for b in data[-64:])
+    elif how == "truncated":
+        data = data[: len(data) // 2]
+    path.write_bytes(data)
+
+
+def weights(folder: Path) -> dict[str, torch.Tensor]:
+    """The folder's weights, copied: load_file maps the file, and the tests damage it."""
+    from safetensors.torch import load_file
+
+    return {k: v.clone() for k, v in load_file(folder / "model.safetensors").items()}
+
+
+def same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ----------------------------------------------------------------------------- fingerprints
+
+
+def test_fingerprint_samples_blocks_and_full_check_sees_the_rest(tmp_path: Path) -> None:
+    """The fingerprint sees the size and the first and last blocks but reads only 16 blocks,
+    so damage between them needs ``full``; a small file is covered entirely."""
+    path = tmp_path / "big.bin"
+    path.write_bytes(np.random.default_rng(0).bytes(8 * 1024 * 1024))
+    cache.write_manifest(tmp_path / "m.json", ["big.bin"])
+    original = cache.fingerprint(path)
+    assert original["size"] == 8 * 1024 * 1024
+    data = path.read_bytes()
+    for offset in (0, len(data) - 1):
+        path.write_bytes(data[:offset] + bytes([data[offset] ^ 1]) + data[offset + 1:])
+        assert cache.fingerprint(path) != original
+        assert cache.verify_manifest(tmp_path / "m.json") == "big.bin: sampled blocks differ"
+    between = 64 * 1024 + 10  # past the first block, far before the second
+    path.write_bytes(data[:between] + bytes([data[between] ^ 1]) + data[between + 1:])
+    assert cache.fingerprint(path) == original
+    assert cache.verify_manifest(tmp_path / "m.json") is None
+    assert cache.verify_manifest(tmp_path / "m.json", full=True) == "big.bin: SHA-256 differs"
+
+
+@pytest.mark.parametrize(
+    ("manifest_text", "reason"),
+    [(None, "no manifest"), ("{", "manifest unreadable (JSONDecodeError)"),
+     ("[]", "manifest unreadable (TypeError)"), ('{"files": 3}', "manifest unreadable"),
+     (b"\xff\xfe", "manifest unreadable (UnicodeDecodeError)")],
+)
+def test_verify_manifest_refuses_bad_manifests(manifest_text: str | bytes | None, reason: str,
+                                               tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    manifest = tmp_path / cache.MANIFEST_NAME
+    cache.write_manifest(manifest, ["config.json"])
+    assert cache.verify_manifest(manifest) is None
+    if manifest_text is None:
+        manifest.unlink()
+    elif isinstance(manifest_text, bytes):
+        manifest.write_bytes(manifest_text)
+    else:
+        manifest.write_text(manifest_text)
+    assert cache.verify_manifest(manifest).startswith(reason)
+
+
+def test_verify_manifest_names_the_damaged_file(tmp_path: Path) -> None:
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).write_bytes(name.encode() * 100)
+    manifest = tmp_path / cache.MANIFEST_NAME
+    cache.write_manifest(manifest, ["config.json", "model.safetensors"])
+    damage(tmp_path / "model.safetensors", "same-size")
+    assert cache.verify_manifest(manifest) == "model.safetensors: sampled blocks differ"
+    damage(tmp_path / "model.safetensors", "truncated")
+    assert cache.verify_manifest(manifest) == \
+        "model.safetensors: size differs (850 bytes, 1700 written)"
+    (tmp_path / "model.safetensors").unlink()
+    assert cache.verify_manifest(manifest) == "model.safetensors unreadable (FileNotFoundError)"
+
+
+# ----------------------------------------------------------------------------- built-in GGUF
+
+PARTS = [b"GGUF" + bytes(range(256)) * 3, b"second part" * 50, b"tail"]
+
+
+def gguf_manifest() -> Path:
+    return cache_root() / "gguf" / "fake-model.gguf.manifest.json"
+
+
+def test_assemble_builtin_concatenates_and_records(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parts are concatenated in order, the manifest records the pinned digest, progress
+    reaches 1, and a second call uses the cached file without reading the packages again."""
+    builtin = fake_builtin(PARTS, tmp_path, monkeypatch)
+    fractions: list[float] = []
+    dest = cache.assemble_builtin(builtin, lambda message, fraction: fractions.append(fraction))
+    assert dest == cache_root() / "gguf" / "fake-model.gguf"
+    assert dest.read_bytes() == b"".join(PARTS)
+    recorded = json.loads(gguf_manifest().read_text())["files"]["fake-model.gguf"]
+    assert recorded["sha256"] == builtin.sha256 and recorded["size"] == builtin.size
+    assert fractions and fractions[-1] == 1.0
+    assert sorted(p.name for p in dest.parent.iterdir()) == [dest.name, gguf_manifest().name]
+    patch_find_spec(monkeypatch, {p.replace("-", "_"): None for p in builtin.packages})
+    assert cache.assemble_builtin(builtin) == dest  # cached: packages no longer needed
+
+
+def test_assemble_builtin_single_member(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A built-in stored whole inside one package is copied and verified the same way."""
+    builtin = fake_builtin([b"".join(PARTS)], tmp_path, monkeypatch, member=True)
+    assert cache.assemble_builtin(builtin).read_bytes() == b"".join(PARTS)
+
+
+@pytest.mark.parametrize("corruption", ["sha", "size"])
+def test_assemble_builtin_refuses_corrupt_parts(corruption: str, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A digest or size mismatch raises with the reinstall command and leaves no file."""
+    kwargs = {"sha256": "0" * 64} if corruption == "sha" else {"size": 12345}
+    builtin = fake_builtin(PARTS, tmp_path, monkeypatch, **kwargs)
+    with pytest.raises(ModelLoadError) as info:
+        cache.assemble_builtin(builtin)
+    message = str(info.value)
+    assert "pip install --force-reinstall fake-model-part1 fake-model-part2 fake-model-part3" \
+        in message
+    assert hashlib.sha256(b"".join(PARTS)).hexdigest() in message
+    assert list((cache_root() / "gguf").iterdir()) == []
+
+
+def test_assemble_builtin_missing_part(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An installed package without its data file: reinstall that package."""
+    builtin = fake_builtin(PARTS, tmp_path, monkeypatch)
+    (tmp_path / "site-packages" / "fake_model_part2" / "data" / "part02.bin").unlink()
+    with pytest.raises(ModelLoadError, match=r"lacks part02\.bin") as info:
+        cache.assemble_builtin(builtin)
+    assert "pip install --force-reinstall fake-model-part2" in str(info.value)
+
+
+@pytest.mark.parametrize("damaged", ["same-size", "truncated", "no-manifest", "bad-manifest",
+                                     "other-version"])
+def test_damaged_assembled_gguf_is_reassembled(damaged: str, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    """Damage to the cached file or its manifest is seen at the next call and the file is
+    assembled again from the packages, with a warning and a progress message."""
+    builtin = fake_builtin(PARTS, tmp_path, monkeypatch)
+    dest = cache.assemble_builtin(builtin)
+    if damaged in ("same-size", "truncated"):
+        damage(dest, damaged)
+    if damaged == "no-manifest":  # and damaged file: it cannot be adopted
+        gguf_manifest().unlink()
+        damage(dest, "same-size")
+    elif damaged == "bad-manifest":
+        gguf_manifest().write_text('{"format": 1, "files": ')
+    elif damaged == "other-version":
+        text = gguf_manifest().read_text().replace(builtin.sha256, "e" * 64)
+        gguf_manifest().write_text(text)
+    messages: list[str] = []
+    with caplog.at_level(logging.WARNING, logger="localspec.models.cache"):
+        assert cache.assemble_builtin(builtin, lambda m, f: messages.append(m)) == dest
+    assert dest.read_bytes() == b"".join(PARTS)
+    assert cache.verify_manifest(gguf_manifest(), full=True) is None
+    warning = f"cached {dest} failed its integrity check ("
+    assert any(warning in record.getMessage() for record in caplog.records)
+    assert any(m.startswith(warning) and m.endswith("): rebuilding") for m in messages)
+
+
+def test_gguf_cached_before_manifests_is_adopted_after_a_full_hash(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An intact file from before manifests (with its old .sha256 marker) is kept without the
+    packages once its whole SHA-256 matches; the old marker cannot vouch for a damaged one."""
+    builtin = fake_builtin(PARTS, tmp_path, monkeypatch)
+    dest = cache_root() / "gguf" / "fake-model.gguf"
+    dest.parent.mkdir(parents=True)
+    dest.write_bytes(b"".join(PARTS))
+    dest.with_suffix(".sha256").write_text(builtin.sha256 + "\n")
+    patch_find_spec(monkeypatch, {p.replace("-", "_"): None for p in builtin.packages})
+    assert cache.assemble_builtin(builtin) == dest
+    assert cache.verify_manifest(gguf_manifest(), pinned={dest.name: builtin.sha256}) is None
+    gguf_manifest().unlink()
+    damage(dest, "same-size")
+    with pytest.raises(ModelLoadError, match="needs the package 'fake-model-part1'"):
+        cache.assemble_builtin(builtin)
+
+
+def test_damaged_gguf_with_damaged_package_says_force_reinstall(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """When the rebuild's own source is bad, the error says how to reinstall it."""
+    builtin = fake_builtin(PARTS, tmp_path, monkeypatch)
+    damage(cache.assemble_builtin(builtin), "same-size")
+    damage(tmp_path / "site-packages" / "fake_model_part2" / "data" / "part02.bin", "same-size")
+    with pytest.raises(ModelLoadError, match="pip install --force-reinstall fake-model-part1"):
+        cache.assemble_builtin(builtin)
+    assert not list((cache_root() / "gguf").glob("*.part"))
+
+
+# ----------------------------------------------------------------------------- converted folders
+
+
+def first_load(source: str, tiny_gguf: bytes, tmp_path: Path,
+               monkeypatch: pytest.MonkeyPatch) -> tuple[ModelSpec, Path]:
+    """Load a built-in made of the tiny GGUF, or the tiny GGUF as a user's file, once."""
+    if source == "builtin":
+        fake_builtin([tiny_gguf[:5000], tiny_gguf[5000:]], tmp_path, monkeypatch)
+        spec = ModelSpec("fake-model", dtype="float32")
+    else:
+        (tmp_path / "mine.gguf").write_bytes(tiny_gguf)
+        spec = ModelSpec(str(tmp_path / "mine.gguf"), dtype="float32")
+    folder = load_model(spec).folder
+    expected = cache_root() / ("models" if source == "builtin" else "converted")
+    assert folder.parent == expected and (folder / cache.MANIFEST_NAME).is_file()
+    return spec, folder
+
+
+@pytest.mark.parametrize(
+    ("source", "damaged"),
+    [("builtin", "same-size"), ("builtin", "truncated"), ("builtin", "no-manifest"),
+     ("builtin", "config"), ("user-gguf", "same-size"), ("user-gguf", "truncated")],
+)
+def test_damaged_converted_folder_is_rebuilt(source: str, damaged: str, tiny_gguf: bytes,
+                                             tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    """Same-size damage would give garbage answers and truncation a SafetensorError at every
+    start: both are seen by the fingerprint and the folder is converted again."""
+    spec, folder = first_load(source, tiny_gguf, tmp_path, monkeypatch)
+    written = weights(folder)
+    if damaged == "no-manifest":  # a folder cached before manifests, or a killed writer
+        (folder / cache.MANIFEST_NAME).unlink()
+        damage(folder / "model.safetensors", "same-size")
+    elif damaged == "config":
+        (folder / "config.json").write_text("{")
+    else:
+        damage(folder / "model.safetensors", damaged)
+    messages: list[str] = []
+    with caplog.at_level(logging.WARNING, logger="localspec.models.cache"):
+        loaded = load_model(spec, lambda m, f: messages.append(m))
+    assert loaded.folder == folder
+    assert same_weights(weights(folder), written)
+    assert same_weights({k: v for k, v in loaded.model.state_dict().items() if k in written},
+                        written)
+    warning = f"cached {folder} failed its integrity check ("
+    assert any(warning in record.getMessage() for record in caplog.records)
+    assert any(m.startswith(warning) for m in messages)
+
+
+# ----------------------------------------------------------------------------- stale temporaries
+
+
+def temp_name(base: str, pid: int, started: int) -> str:
+    return f"{base}.pid{pid}-{started}.x1y2z3.part"
+
+
+def test_remove_stale_temps_keeps_live_writers(tmp_path: Path) -> None:
+    """A dead writer's temporaries go (also when its PID now names another process); a live
+    writer's stay, whatever their age; PID-less ones go after an hour; nothing else goes."""
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        dead = subprocess.Popen([sys.executable, "-c", ""])
+        dead.wait()
+        me = psutil.Process()
+        started = int(me.create_time())
+        live = [temp_name("a.gguf", os.getpid(), started),
+                temp_name("b", sleeper.pid, int(psutil.Process(sleeper.pid).create_time())),
+                "tmpabcd1234.part", "qwen.tmpabcd1234"]
+        gone = [temp_name("c.gguf", dead.pid, started), temp_name("d", os.getpid(), 1000),
+                "tmpzzzz9999.part", "qwen.tmpzzzz9999", temp_name("e", dead.pid, 1000)]
+        others = ["fake-model.gguf", "fake-model.gguf.manifest.json", "mine-0123456789ab",
+                  "smollm2-135m-instruct"]
+        for name in live + gone + others:
+            if name.endswith(".gguf") or name.endswith(".json") or name.endswith(".part"):
+                (tmp_path / name).write_bytes(b"x")
+            else:
+                (tmp_path / name).mkdir()
+                (tmp_path / name / "model.safetensors").write_bytes(b"x")
+        hour_ago = time.time() - 3700
+        for name in [*others, *live[:2], *gone]:
+            os.utime(tmp_path / name, (hour_ago, hour_ago))
+        removed = cache.remove_stale_temps(tmp_path)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert sorted(p.name for p in removed) == sorted(gone)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(live + others)
+
+
+def test_assembly_and_conversion_clear_killed_writers_leftovers(
+        tiny_gguf: bytes, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a killed assembly or conversion left is removed when the next one starts, while
+    the running one's own temporary file survives a concurrent cleanup."""
+    builtin = fake_builtin([tiny_gguf], tmp_path, monkeypatch)
+    gguf_dir, models_dir = cache_root() / "gguf", cache_root() / "models"
+    dead = subprocess.Popen([sys.executable, "-c", ""])
+    dead.wait()
+    leftovers = [gguf_dir / temp_name("fake-model.gguf", os.getpid(), 1000),  # PID reused
+                 gguf_dir / "tmpabcd1234.part", models_dir / temp_name("fake-model", dead.pid, 1)]
+    for path in leftovers:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"x" * 1000)
+    hour_ago = time.time() - 3700
+    os.utime(leftovers[1], (hour_ago, hour_ago))
+    own_temps: list[str] = []
+
+    def concurrent_cleanup(message: str, fraction: float) -> None:
+        if message.startswith("assembling"):
+            cache.remove_stale_temps(gguf_dir)  # what another process starting now would do
+            own_temps.extend(p.name for p in gguf_dir.glob("fake-model.gguf.pid*.part"))
+
+    cache.builtin_model_dir(builtin, concurrent_cleanup)
+    assert own_temps and all(f".pid{os.getpid()}-" in name for name in own_temps)
+    assert not any(path.exists() for path in leftovers)
+    assert sorted(p.name for p in gguf_dir.iterdir()) == ["fake-model.gguf",
+                                                          "fake-model.gguf.manifest.json"]
+    assert sorted(p.name for p in models_dir.iterdir()) == ["fake-model"]
