@@ -2,6 +2,11 @@
 
 The CLI, the benchmark and the app all go through here, so a model is loaded once and shared by
 every method ("none", "draft_model", "ngram") that a comparison runs.
+
+What a request or a method choice may be is decided from the preset alone
+(``request_settings_for``, ``check_method``), before any model is loaded: a typo in a flag must
+not cost a model load, and a benchmark must not fail halfway through on a method its preset
+cannot run.
 """
 
 from __future__ import annotations
@@ -10,20 +15,44 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from jinja2.exceptions import TemplateError
 from transformers import PreTrainedTokenizerBase
 
+from localspec.config import METHODS, ModelSpec, Preset, RequestSettings, request_settings
 from localspec.drafters.base import Drafter
 from localspec.drafters.draft_model import DraftModelDrafter, frequent_token_rows
 from localspec.drafters.lookup_first import LookupFirstDrafter
 from localspec.drafters.ngram import NgramDrafter
 from localspec.engine.engine import GenerationRequest, SpeculativeEngine, StepEvent
-from localspec.config import METHODS, ModelSpec, Preset, request_settings
-from localspec.errors import PresetError
+from localspec.engine.stats import GenerationStats
+from localspec.engine.verify import SamplingParams
+from localspec.errors import PresetError, RequestError
 from localspec.models.cache import Progress
 from localspec.models.loading import LoadedModel, check_same_tokenizer, load_model
 from localspec.runtime.runner import ModelRunner
-from localspec.engine.stats import GenerationStats
-from localspec.engine.verify import SamplingParams
+
+
+def check_method(preset: Preset, method: str) -> None:
+    """PresetError unless ``preset`` can run ``method``; needs no model, so callers check every
+    method they will run before loading anything."""
+    if method not in METHODS:
+        raise PresetError(f"unknown method '{method}': choose one of {', '.join(METHODS)}")
+    if method == "draft_model" and preset.draft_spec() is None:
+        raise PresetError(f"method 'draft_model' needs a draft model, and preset "
+                          f"'{preset.name}' names none in [speculative_config] model")
+
+
+def request_settings_for(preset: Preset, **overrides: object) -> RequestSettings:
+    """The preset's request settings, any of them overridden by keyword (None keeps the
+    preset's), validated against ``localspec.config``'s bounds: RequestError names the setting
+    (NaN, a negative top-k, a seed beyond 64 bits, ...). Needs no model."""
+    base = {**preset.sampling.model_dump(),
+            "num_speculative_tokens": preset.speculative_config.num_speculative_tokens,
+            "adaptive": preset.localspec.adaptive_k}
+    unknown = set(overrides) - set(base)
+    if unknown:
+        raise TypeError(f"unknown request settings: {', '.join(sorted(unknown))}")
+    return request_settings(base, overrides)
 
 
 @dataclass
@@ -83,9 +112,20 @@ class Pipeline:
         return ids
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Messages through the model's chat template, ready for the assistant's answer."""
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                  tokenize=False)
+        """Messages through the model's chat template, ready for the assistant's answer.
+
+        A model without a template (a base model) is a PresetError that says to use raw text;
+        a template that refuses the messages (roles out of order, ...) is a RequestError with
+        the template's own words."""
+        if self.tokenizer.chat_template is None:
+            raise PresetError(f"preset '{self.preset.name}': the target model has no chat "
+                              "template (a base model?): use raw text (--raw) or a chat model")
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                      tokenize=False)
+        except TemplateError as exc:
+            raise RequestError(f"the model's chat template refused these messages: {exc}"
+                               ) from exc
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def encode_prompt(self, prompt: str, raw: bool = False) -> list[int]:
@@ -109,8 +149,8 @@ class Pipeline:
         if method == "ngram":
             return NgramDrafter(sc.prompt_lookup_max, sc.prompt_lookup_min)
         if self.draft is None:
-            raise PresetError(f"method 'draft_model' needs a draft model, and preset "
-                              f"'{self.preset.name}' names none in [speculative_config] model")
+            raise PresetError(f"method 'draft_model' needs a draft model, and this pipeline of "
+                              f"preset '{self.preset.name}' was loaded without one")
         draft_vocab = self.draft.model.get_output_embeddings().weight.shape[0]
         rows = frequent_token_rows(self.draft.tokenizer, self.preset.localspec.draft_vocab_size,
                                    draft_vocab)
@@ -128,8 +168,7 @@ class Pipeline:
     def engine(self, method: str | None = None) -> SpeculativeEngine:
         """The engine for ``method`` (default: the preset's), sharing the target's runner."""
         method = method or self.preset.speculative_config.method
-        if method not in METHODS:
-            raise PresetError(f"unknown method '{method}': choose one of {', '.join(METHODS)}")
+        check_method(self.preset, method)
         if method not in self._engines:
             self._engines[method] = SpeculativeEngine(
                 self._target_runner(), self._make_drafter(method), self._decode,
@@ -139,16 +178,8 @@ class Pipeline:
     def request(self, prompt_ids: list[int], stop_strings: tuple[str, ...] = (),
                 **overrides: object) -> GenerationRequest:
         """A request with the preset's settings, any of them overridden by keyword (None keeps
-        the preset's). Values are validated against ``localspec.config``'s bounds: RequestError
-        names the setting (NaN, a negative top-k, a seed beyond 64 bits, ...)."""
-        p = self.preset
-        base = {**p.sampling.model_dump(),
-                "num_speculative_tokens": p.speculative_config.num_speculative_tokens,
-                "adaptive": p.localspec.adaptive_k}
-        unknown = set(overrides) - set(base)
-        if unknown:
-            raise TypeError(f"unknown request settings: {', '.join(sorted(unknown))}")
-        r = request_settings(base, overrides)
+        the preset's); validated as ``request_settings_for`` says."""
+        r = request_settings_for(self.preset, **overrides)
         return GenerationRequest(
             prompt_ids=prompt_ids, max_new_tokens=r.max_new_tokens,
             sampling=SamplingParams(r.temperature, r.top_k, r.top_p),

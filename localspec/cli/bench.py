@@ -5,48 +5,58 @@ transformers' own ``hf-assisted`` (``generate(assistant_model=...)``), ``hf-look
 (``generate(prompt_lookup_num_tokens=...)``) and ``hf-plain`` (plain ``generate``), run on the
 same loaded weights as anchors. Greedy only: that is where "identical to none" is defined.
 Each method runs once on each prompt before any runs twice, so drift in machine speed (heat,
-other processes) spreads over all methods instead of favouring one.
+other processes) spreads over all methods instead of favouring one. Every method, setting and
+prompt is checked before the first run (``check_methods``, ``encode_prompts``): a benchmark
+never fails halfway.
 """
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from collections.abc import Callable
-from importlib import resources
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from localspec.pipeline import Pipeline
+from localspec.cli.prompts import encode_prompts, load_prompts
+from localspec.config import METHODS, Preset
+from localspec.errors import ConfigError, PresetError
+from localspec.pipeline import Pipeline, check_method
+
+__all__ = ["DEFAULT_METHODS", "HF_METHODS", "OUR_METHODS", "check_methods", "default_methods",
+           "first_difference", "format_table", "load_prompts", "run_bench", "summarise"]
 
 HF_METHODS = ("hf-assisted", "hf-lookup", "hf-plain")
-OUR_METHODS = ("none", "draft_model", "ngram")
+OUR_METHODS = METHODS
+DEFAULT_METHODS = ("none", "draft_model", "ngram", "hf-assisted", "hf-lookup")
+NEEDS_DRAFT = ("draft_model", "hf-assisted")
 
 
-def load_prompts(path: str | None) -> list[dict[str, Any]]:
-    """JSONL lines ``{"prompt": ...}`` or ``{"messages": [...]}``, optional ``"category"``."""
-    if path is None:
-        text = resources.files("localspec").joinpath("data/bench_prompts.jsonl").read_text("utf-8")
-        where = "built-in prompts"
-    else:
-        text, where = Path(path).read_text(encoding="utf-8"), path
-    prompts = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{where} line {number}: not JSON: {exc}") from exc
-        if not isinstance(row, dict) or not ("prompt" in row or "messages" in row):
-            raise ValueError(f"{where} line {number}: need a 'prompt' or 'messages' key")
-        prompts.append(row)
-    if not prompts:
-        raise ValueError(f"{where}: no prompts")
-    return prompts
+def check_methods(preset: Preset, methods: list[str]) -> list[str]:
+    """The methods to run (``none`` first, the baseline; no repeats), each checked runnable
+    with ``preset``: ConfigError for an unknown name, PresetError for one needing a draft
+    model the preset does not name. Needs no model."""
+    if not methods:
+        raise ConfigError(f"no methods to benchmark: choose from "
+                          f"{', '.join(OUR_METHODS + HF_METHODS)}")
+    unknown = [m for m in methods if m not in OUR_METHODS + HF_METHODS]
+    if unknown:
+        raise ConfigError(f"unknown method(s) {', '.join(unknown)}; choose from "
+                          f"{', '.join(OUR_METHODS + HF_METHODS)}")
+    for method in methods:
+        if method in OUR_METHODS:
+            check_method(preset, method)
+        elif method in NEEDS_DRAFT and preset.draft_spec() is None:
+            raise PresetError(f"method '{method}' needs a draft model, and preset "
+                              f"'{preset.name}' names none in [speculative_config] model")
+    return list(dict.fromkeys(["none", *methods]))
+
+
+def default_methods(preset: Preset) -> list[str]:
+    """DEFAULT_METHODS less those needing a draft model when the preset has none."""
+    has_draft = preset.draft_spec() is not None
+    return [m for m in DEFAULT_METHODS if has_draft or m not in NEEDS_DRAFT]
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -55,12 +65,6 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
         if x != y:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
-
-
-def encode(pipe: Pipeline, row: dict[str, Any]) -> list[int]:
-    if "messages" in row:
-        return pipe.encode_chat(row["messages"])
-    return pipe.encode_prompt(row["prompt"])
 
 
 class _CallCounter:
@@ -83,7 +87,7 @@ def _run_hf(pipe: Pipeline, method: str, prompt_ids: list[int], max_new: int) ->
     kwargs: dict[str, Any] = {}
     if method == "hf-assisted":
         if pipe.draft is None:
-            raise ValueError("hf-assisted needs a preset with a draft model")
+            raise PresetError("method 'hf-assisted' needs a pipeline loaded with its draft model")
         kwargs["assistant_model"] = pipe.draft.model
     elif method == "hf-lookup":
         kwargs["prompt_lookup_num_tokens"] = sc.num_speculative_tokens
@@ -125,14 +129,10 @@ def run_bench(
     repeats: int = 1,
     log: Callable[[str], None] = lambda _line: None,
 ) -> dict[str, Any]:
-    """Run all methods on all prompts ``repeats`` times; summarise per method."""
-    unknown = [m for m in methods if m not in OUR_METHODS + HF_METHODS]
-    if unknown:
-        raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from "
-                         f"{', '.join(OUR_METHODS + HF_METHODS)}")
-    if "none" not in methods:
-        methods = ["none", *methods]
-    encoded = [encode(pipe, row) for row in prompts]
+    """Run all methods on all prompts ``repeats`` (>= 1) times; summarise per method.
+    Methods and prompts are checked before the first run."""
+    methods = check_methods(pipe.preset, methods)
+    encoded = encode_prompts(pipe, prompts, max_new_tokens)
     # Warm-up: first calls pay for allocations and lazy initialisation.
     _run_ours(pipe, "none", encoded[0], 4)
     runs: dict[tuple[int, str], list[dict[str, Any]]] = {}

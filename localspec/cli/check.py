@@ -8,47 +8,64 @@ Two checks:
    reported with its margin; otherwise the check fails.
 2. **Sampling distribution**: on real target/draft distributions (p, q) taken from the models at
    positions of the prompts, the verifier is run thousands of times with k = 1 and the emitted
-   token's frequencies are compared with p by a chi-square test. For speed the rows are
-   restricted to the union of the top tokens of p and q (renormalised): the test checks the
-   verifier's arithmetic on real shapes, not the tail mass.
+   token's frequencies are compared with p by a chi-square test (SciPy's, small-expectation
+   bins pooled). For speed the rows are restricted to the union of the top tokens of p and q
+   (renormalised): the test checks the verifier's arithmetic on real shapes, not the tail mass.
+   Both models start each prompt from an empty cache, so q is the draft's distribution for
+   that prompt alone.
+
+Prompts are encoded and checked (context length, chat template) before anything runs.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from scipy.stats import chisquare
 
-from localspec.cli.bench import encode, first_difference
+from localspec.cli.bench import first_difference
+from localspec.cli.prompts import encode_prompts
+from localspec.engine.verify import SamplingParams, logits_to_probs, sample, verify_sampling
 from localspec.pipeline import Pipeline
 from localspec.runtime.runner import ModelRunner
-from localspec.engine.verify import SamplingParams, logits_to_probs, sample, verify_sampling
 
 NEAR_TIE_LOGITS = 0.5
 P_VALUE_THRESHOLD = 1e-3
 
 
+def _no_log(_line: str) -> None:
+    """The default progress sink: the library prints nothing unless asked."""
+
+
 def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0
                        ) -> float:
-    """Goodness of fit of observed ``counts`` to ``probs`` (bins with small expectation pooled).
+    """Goodness of fit of observed ``counts`` to ``probs`` by SciPy's chi-square test.
 
-    Uses the Wilson-Hilferty normal approximation of the chi-square tail (no SciPy needed).
+    Bins expected to hold fewer than ``min_expected`` counts are pooled into one (the
+    chi-square approximation needs it); a pool still too small joins the smallest large bin,
+    unless that would leave a single bin (nothing to test: a p concentrated on one token).
+    A count where ``probs`` is 0 is an impossible token: p-value 0.
     """
-    total = float(counts.sum())
-    expected = probs.double() * total
+    counts, probs = counts.double(), probs.double()
+    if bool((counts[probs <= 0] > 0).any()):
+        return 0.0
+    expected = probs / probs.sum() * counts.sum()
     big = expected >= min_expected
-    obs = torch.cat([counts.double()[big], counts.double()[~big].sum().view(1)])
-    exp = torch.cat([expected[big], expected[~big].sum().view(1)])
-    keep = exp > 0
-    obs, exp = obs[keep], exp[keep]
-    df = len(obs) - 1
-    if df < 1:
+    obs, exp = counts[big].tolist(), expected[big].tolist()
+    rest_obs, rest_exp = float(counts[~big].sum()), float(expected[~big].sum())
+    if rest_exp >= min_expected or len(exp) < 2:  # never merge into a lone bin: no test left
+        if rest_exp > 0:
+            obs.append(rest_obs)
+            exp.append(rest_exp)
+    else:
+        smallest = exp.index(min(exp))
+        obs[smallest] += rest_obs
+        exp[smallest] += rest_exp
+    if len(obs) < 2:
         return 1.0
-    stat = float(((obs - exp) ** 2 / exp).sum())
-    z = ((stat / df) ** (1 / 3) - (1 - 2 / (9 * df))) / math.sqrt(2 / (9 * df))
-    return 0.5 * math.erfc(z / math.sqrt(2))
+    return float(chisquare(obs, exp).pvalue)
 
 
 def emitted_token_counts(p: torch.Tensor, q: torch.Tensor | None, trials: int, seed: int
@@ -82,10 +99,11 @@ def _target_top2(pipe: Pipeline, ids: list[int]) -> dict[str, Any]:
 
 
 def check_greedy(pipe: Pipeline, prompts: list[dict[str, Any]], methods: list[str],
-                 max_new_tokens: int, log: Callable[[str], None]) -> list[dict[str, Any]]:
+                 max_new_tokens: int, log: Callable[[str], None] = _no_log
+                 ) -> list[dict[str, Any]]:
+    """Plain vs each speculative method, greedy, on every prompt (all checked first)."""
     results = []
-    for i, row in enumerate(prompts):
-        ids = encode(pipe, row)
+    for i, ids in enumerate(encode_prompts(pipe, prompts, max_new_tokens)):
         plain = pipe.run(pipe.request(ids, max_new_tokens=max_new_tokens, temperature=0.0),
                          "none").token_ids
         for method in methods:
@@ -106,29 +124,43 @@ def check_greedy(pipe: Pipeline, prompts: list[dict[str, Any]], methods: list[st
     return results
 
 
+def _draft_probs(runner: ModelRunner, ids: list[int], positions: int, width: int,
+                 params: SamplingParams) -> torch.Tensor:
+    """q at the last ``positions`` positions of ``ids`` from an empty cache, on ``width``
+    (the target's vocabulary: extra draft rows cut, missing ones impossible)."""
+    runner.reset()  # q must depend on this prompt only, not on the previous one's cache
+    logits = runner.forward(ids, logits_to_keep=positions)  # [positions, vocab_draft]
+    runner.reset()
+    out = torch.full((logits.shape[0], width), float("-inf"))
+    cols = min(width, logits.shape[-1])
+    out[:, :cols] = logits[:, :cols]
+    return logits_to_probs(out, params)
+
+
 @torch.inference_mode()
 def check_sampling(pipe: Pipeline, prompts: list[dict[str, Any]], positions: int = 3,
-                   support: int = 64, trials: int = 4000, log: Callable[[str], None] = print
+                   support: int = 64, trials: int = 4000, log: Callable[[str], None] = _no_log
                    ) -> list[dict[str, Any]]:
-    """Chi-square test of the verifier's output against real target distributions."""
+    """Chi-square test of the verifier's output against real target distributions (first two
+    prompts, last ``positions`` positions of each, one-hot and draft-model q)."""
     temperature = pipe.preset.sampling.temperature or 1.0
     params = SamplingParams(temperature, pipe.preset.sampling.top_k, pipe.preset.sampling.top_p)
     target = pipe.engine("none").target
     draft_runner = ModelRunner(pipe.draft.model) if pipe.draft is not None else None
     results = []
-    for i, row in enumerate(prompts[:2]):
-        ids = encode(pipe, row)
+    for i, ids in enumerate(encode_prompts(pipe, prompts[:2], 1)):
+        positions_i = min(positions, len(ids))
         target.reset()
-        p_all = logits_to_probs(target.forward(ids, logits_to_keep=positions), params)
+        p_all = logits_to_probs(target.forward(ids, logits_to_keep=positions_i), params)
         target.reset()
         q_all = None
         if draft_runner is not None:
-            q_logits = draft_runner.forward(ids, logits_to_keep=positions)[:, : p_all.shape[-1]]
-            q_all = logits_to_probs(q_logits, params)
-        for j in range(positions):
-            top = torch.topk(p_all[j], support).indices
+            q_all = _draft_probs(draft_runner, ids, positions_i, p_all.shape[-1], params)
+        for j in range(positions_i):
+            size = min(support, p_all.shape[-1])
+            top = torch.topk(p_all[j], size).indices
             if q_all is not None:
-                top = torch.unique(torch.cat([top, torch.topk(q_all[j], support).indices]))
+                top = torch.unique(torch.cat([top, torch.topk(q_all[j], size).indices]))
             p = p_all[j][top] / p_all[j][top].sum()
             drafts = [("ngram (one-hot q)", None)]
             if q_all is not None:
@@ -143,7 +175,8 @@ def check_sampling(pipe: Pipeline, prompts: list[dict[str, Any]], positions: int
 
 
 def run_checks(pipe: Pipeline, prompts: list[dict[str, Any]], max_new_tokens: int,
-               log: Callable[[str], None] = print) -> dict[str, Any]:
+               log: Callable[[str], None] = _no_log) -> dict[str, Any]:
+    """Greedy equality for every speculative method the pipeline has, then sampling."""
     methods = ["ngram"] + (["draft_model"] if pipe.draft is not None else [])
     greedy = check_greedy(pipe, prompts, methods, max_new_tokens, log)
     sampling = check_sampling(pipe, prompts, log=log)

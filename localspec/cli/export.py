@@ -13,8 +13,8 @@ import json
 import shlex
 from dataclasses import dataclass
 
-from localspec.models.hardware import hf_repo_for
 from localspec.config import Preset, SpeculativeConfig
+from localspec.models.hardware import hf_repo_for
 
 # LocalSpec method name -> vLLM's speculative_config "method"
 VLLM_METHODS = {"draft_model": "draft_model", "ngram": "ngram"}

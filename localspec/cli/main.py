@@ -1,8 +1,13 @@
 """Command line: ``python -m localspec generate | bench | verify | presets | export-vllm``.
 
-Thin: parse flags, load a preset into a Pipeline, call the engine, benchmark or checker, print.
-Every expected failure (bad preset, missing model, mismatched tokenizer, over-long prompt, bad
-setting) ends with a one-line message and exit status 2, never a traceback.
+Thin: parse flags, validate them against the preset (no model needed), load a preset into a
+Pipeline, call the engine, benchmark or checker, print. Every flag, method and prompt is checked
+before any model loads, so a typo costs milliseconds, not a model load.
+
+Every expected failure (a ``LocalSpecError``: bad preset, missing model, mismatched tokenizer,
+over-long prompt, bad setting, unreadable prompts file) ends with one line
+``localspec: error: ...`` and exit status 2. Anything else is a bug: its traceback goes to a
+log file under the cache folder, the user sees one line naming it and that file, exit status 1.
 """
 
 from __future__ import annotations
@@ -10,48 +15,33 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import shlex
 import sys
-from collections.abc import Sequence
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
-from tqdm import tqdm
 from transformers.utils import logging as transformers_logging
 
-from localspec.engine.engine import StepEvent
+from localspec.cli.loading import load_pipeline
+from localspec.config import (
+    DEFAULT_PRESET,
+    HARDWARE_LABELS,
+    MAX_BENCH_REPEATS,
+    MAX_NUM_SAMPLES,
+    METHODS,
+    cache_root,
+)
 from localspec.errors import LocalSpecError
-from localspec.pipeline import Pipeline
-from localspec.config import DEFAULT_PRESET, HARDWARE_LABELS, METHODS
+from localspec.pipeline import request_settings_for
 from localspec.presets import load_preset
 
-class ProgressBar:
-    """Progress callback for model assembly/loading: one tqdm bar per stage, on stderr."""
-
-    def __init__(self) -> None:
-        self._bar: tqdm | None = None
-        self._message = ""
-
-    def __call__(self, message: str, fraction: float) -> None:
-        if message != self._message:
-            self.close()
-            self._message = message
-            if fraction >= 1.0:  # a stage that is already done needs no bar
-                return
-            self._bar = tqdm(total=100, desc=message, unit="%", file=sys.stderr, leave=False)
-        if self._bar is not None:
-            self._bar.update(int(100 * fraction) - self._bar.n)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None
-
-
-def load_pipeline(preset_name: str, need_draft: bool = True) -> Pipeline:
-    preset = load_preset(preset_name)
-    progress = ProgressBar()
-    try:
-        return Pipeline.load(preset, progress=progress, load_draft=need_draft)
-    finally:
-        progress.close()
+EXIT_ERROR = 2  # a LocalSpecError: the user can fix it
+EXIT_BUG = 1  # anything else
+EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports a writer whose reader left
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
@@ -60,63 +50,64 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def _print_delta(event: StepEvent) -> None:
-    sys.stdout.write(event.text_delta)
-    sys.stdout.flush()
+def _count(maximum: int) -> Callable[[str], int]:
+    """An argparse type: an integer from 1 to ``maximum`` (argparse reports it, exit 2)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if not 1 <= value <= maximum:
+            raise argparse.ArgumentTypeError(f"must be between 1 and {maximum}, got {value}")
+        return value
+
+    return parse
+
+
+def _log_line(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    method = args.method
-    pipe = load_pipeline(args.preset, need_draft=method in (None, "draft_model"))
-    prompt_ids = pipe.encode_prompt(args.prompt, raw=args.raw)
-    samples = []
-    stats = None
-    for i in range(args.num_samples):
-        request = pipe.request(
-            prompt_ids,
-            max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-            top_k=args.top_k, num_speculative_tokens=args.num_speculative_tokens,
-            seed=(args.seed if args.seed is not None else pipe.preset.sampling.seed) + i,
-        )
-        streaming = not args.json and args.num_samples == 1
-        result = pipe.run(request, method, on_event=_print_delta if streaming else None)
-        samples.append({"text": result.text, "token_ids": result.token_ids})
-        stats = result.stats if stats is None else stats.merge(result.stats)
-    method_used = method or pipe.preset.speculative_config.method
-    if args.json:
-        print(json.dumps({"preset": pipe.preset.name, "method": method_used,
-                          "samples": samples, "stats": stats.as_dict()}, ensure_ascii=False))
-    else:
-        if not streaming:
-            for i, sample in enumerate(samples):
-                print(f"--- sample {i} ---\n{sample['text']}")
-        d = stats.as_dict()
-        print(f"\n[{method_used}] {d['new_tokens']} tokens, {d['tokens_per_second']:.2f} tok/s, "
-              f"acceptance {d['acceptance_rate']:.0%}, {d['mean_accepted_length']:.2f} tokens "
-              f"per target pass", file=sys.stderr)
-    return 0
+    from localspec.cli.generate import run_generate
+
+    return run_generate(args)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from localspec.cli.bench import format_table, load_prompts, run_bench
+    from localspec.cli.bench import (
+        NEEDS_DRAFT,
+        check_methods,
+        default_methods,
+        format_table,
+        load_prompts,
+        run_bench,
+    )
 
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    preset = load_preset(args.preset)
+    if args.methods is None:
+        methods = default_methods(preset)
+    else:
+        methods = check_methods(preset, [m.strip() for m in args.methods.split(",")
+                                         if m.strip()])
+    request_settings_for(preset, max_new_tokens=args.max_new_tokens, temperature=0.0)
     prompts = load_prompts(args.prompts)
-    pipe = load_pipeline(args.preset, need_draft=any(m in ("draft_model", "hf-assisted")
-                                                     for m in methods))
-    report = run_bench(pipe, prompts, methods, args.max_new_tokens, args.repeats,
-                       log=lambda line: print(line, file=sys.stderr, flush=True))
+    pipe = load_pipeline(preset, need_draft=any(m in NEEDS_DRAFT for m in methods))
+    report = run_bench(pipe, prompts, methods, args.max_new_tokens, args.repeats, log=_log_line)
     print(json.dumps(report, ensure_ascii=False) if args.json else format_table(report))
     return 0
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from localspec.cli.bench import load_prompts
     from localspec.cli.check import format_report, run_checks
+    from localspec.cli.prompts import load_prompts
 
-    pipe = load_pipeline(args.preset)
-    report = run_checks(pipe, load_prompts(args.prompts), args.max_new_tokens,
-                        log=lambda line: print(line, file=sys.stderr, flush=True))
+    preset = load_preset(args.preset)
+    request_settings_for(preset, max_new_tokens=args.max_new_tokens, temperature=0.0)
+    prompts = load_prompts(args.prompts)
+    pipe = load_pipeline(preset)
+    report = run_checks(pipe, prompts, args.max_new_tokens, log=_log_line)
     print(json.dumps(report, ensure_ascii=False) if args.json else format_report(report))
     return 0 if report["passed"] else 1
 
@@ -175,17 +166,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=None)
     gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--top-k", type=int, default=None)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--seed", type=int, default=None,
+                     help="first seed; sample i uses seed + i (all must fit in 64 bits)")
     gen.add_argument("--num-speculative-tokens", type=int, default=None)
-    gen.add_argument("--num-samples", type=int, default=1)
+    gen.add_argument("--num-samples", type=_count(MAX_NUM_SAMPLES), default=1)
     gen.set_defaults(func=_cmd_generate)
 
     bench = sub.add_parser("bench", help="compare methods side by side on a prompt set")
     _add_common(bench)
     bench.add_argument("--prompts", default=None, help="JSONL file (default: built-in set)")
-    bench.add_argument("--methods", default="none,draft_model,ngram,hf-assisted,hf-lookup")
+    bench.add_argument("--methods", default=None,
+                       help="comma-separated (default: none,draft_model,ngram,hf-assisted,"
+                            "hf-lookup, less those needing a draft model the preset lacks)")
     bench.add_argument("--max-new-tokens", type=int, default=128)
-    bench.add_argument("--repeats", type=int, default=1)
+    bench.add_argument("--repeats", type=_count(MAX_BENCH_REPEATS), default=1)
     bench.set_defaults(func=_cmd_bench)
 
     verify = sub.add_parser("verify", help="check that speculation changes nothing, here")
@@ -205,18 +199,61 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def write_crash_log(exc: BaseException, argv: Sequence[str]) -> Path:
+    """The command and the full traceback of a bug, in a new file under ``cache_root()/logs``
+    (created on demand); its path. Raises OSError if the file cannot be written."""
+    folder = cache_root() / "logs"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"crash-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+    text = "".join(traceback.format_exception(exc))
+    path.write_text(f"localspec {shlex.join(argv)}\n\n{text}", encoding="utf-8")
+    return path
+
+
+def _report_bug(exc: Exception, argv: Sequence[str]) -> int:
+    """One line for the user, the traceback in a log file (on stderr if that cannot be
+    written: a bug must never be hidden)."""
+    first_line = next(iter(str(exc).strip().splitlines()), "")
+    summary = f"{type(exc).__name__}: {first_line}" if first_line else type(exc).__name__
+    try:
+        path = write_crash_log(exc, argv)
+    except OSError as log_error:
+        print(f"localspec: internal error: {summary} (no log file: {log_error}); traceback:",
+              file=sys.stderr)
+        traceback.print_exception(exc, file=sys.stderr)
+        return EXIT_BUG
+    print(f"localspec: internal error: {summary} (details: {path})", file=sys.stderr)
+    return EXIT_BUG
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush does not raise again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # no real file descriptor (captured output): nothing to do
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; returns the exit status (argparse exits 2 itself on a bad flag)."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     transformers_logging.disable_progress_bar()  # our own bar shows loading; one is enough
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except LocalSpecError as exc:
         print(f"localspec: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_ERROR
     except KeyboardInterrupt:
         print("localspec: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:  # `localspec generate ... | head`: the reader left, not a bug
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
+    except Exception as exc:  # a bug: logged in full, summarised in one line
+        return _report_bug(exc, argv)
 
 
 def console() -> None:

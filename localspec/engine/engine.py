@@ -20,10 +20,8 @@ from dataclasses import dataclass, field
 import torch
 
 from localspec.config import MAX_SPECULATIVE_TOKENS
-from localspec.engine.adaptive import AdaptiveK
 from localspec.drafters.base import Drafter, Proposal
-from localspec.errors import LocalSpecError
-from localspec.runtime.runner import ModelRunner
+from localspec.engine.adaptive import AdaptiveK
 from localspec.engine.verify import (
     SamplingParams,
     Verdict,
@@ -31,6 +29,9 @@ from localspec.engine.verify import (
     verify_greedy,
     verify_sampling,
 )
+from localspec.errors import LocalSpecError
+from localspec.runtime.runner import ModelRunner
+
 
 class GenerationError(LocalSpecError):
     """A request the engine cannot serve (prompt too long, k out of range, ...)."""
@@ -131,8 +132,11 @@ class SpeculativeEngine:
         self.decode = decode
         self.eos_token_ids = set(eos_token_ids)
 
-    def _check(self, request: GenerationRequest) -> int:
-        """Validate a request; return the number of new tokens that fit in the context."""
+    def check(self, request: GenerationRequest) -> int:
+        """Validate a request; return the number of new tokens that fit in the context.
+
+        Public so that a caller with many prompts (bench, verify) refuses an over-long one
+        before it spends minutes on the others."""
         if not request.prompt_ids:
             raise GenerationError("the prompt is empty: nothing to continue")
         if request.max_new_tokens < 1:
@@ -155,7 +159,7 @@ class SpeculativeEngine:
         self, request: GenerationRequest, cancelled: Callable[[], bool] = lambda: False
     ) -> Iterator[StepEvent]:
         """Validate now (errors raise here), then yield one StepEvent per target pass."""
-        return self._generate(request, self._check(request), cancelled)
+        return self._generate(request, self.check(request), cancelled)
 
     def _generate(
         self, request: GenerationRequest, max_new: int, cancelled: Callable[[], bool]

@@ -58,7 +58,12 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
     logits: [n, vocab]. Returns probs: [n, vocab]. ``params.temperature`` must be > 0.
     """
-    logits = logits.float() / params.temperature
+    logits = logits.float()
+    # A tiny temperature (1e-40 is valid) must mean argmax, not NaN: shift by the row maximum
+    # first (softmax does not change) so the others go to -inf instead of the best one to inf,
+    # and keep the divisor a float32 normal number (smaller ones round to 0, and 0/0 is NaN).
+    temperature = max(params.temperature, torch.finfo(torch.float32).tiny)
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     vocab = logits.shape[-1]
     if 0 < params.top_k < vocab:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]

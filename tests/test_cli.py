@@ -1,0 +1,446 @@
+"""The command line on tiny saved models: every bad flag, prompt file or method choice ends in
+one ``localspec: error: ...`` line and exit 2 (before any model loads where the preset alone
+can tell), a bug ends in one ``internal error`` line, a log file and exit 1, and the happy
+paths of generate, bench and verify work end to end.
+
+Most tests call ``main([...])`` in-process; two run ``python -m localspec`` to see the real
+stderr."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import TOKENIZER_TEXTS, make_tiny_model, perturbed_copy, train_tokenizer
+
+from localspec.cli.bench import check_methods, default_methods
+from localspec.cli.main import main
+from localspec.cli.prompts import load_prompts
+from localspec.config import MAX_NEW_TOKENS, MAX_SEED
+from localspec.errors import InputFileError
+from localspec.pipeline import Pipeline
+from localspec.presets import load_preset
+
+REPO = Path(__file__).resolve().parent.parent
+
+# A minimal chat template that, like real ones, refuses roles it does not know.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
+    "<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+PRESET = """\
+name = "tiny-cli"
+description = "tiny random models"
+hardware = "cpu"
+target = {{ model = "{target}", dtype = "float32", device = "cpu" }}
+speculative_config = {{ method = "{method}", num_speculative_tokens = 3{draft} }}
+sampling = {{ max_new_tokens = 8 }}
+localspec = {{ draft_dtype = "float32", draft_confidence_threshold = 0.0 }}
+"""
+
+
+@pytest.fixture(scope="session")
+def tiny_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A target and a close draft sharing a byte-level tokenizer with a chat template."""
+    root = tmp_path_factory.mktemp("cli-models")
+    tokenizer = train_tokenizer(TOKENIZER_TEXTS)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    target = make_tiny_model(seed=0, vocab_size=300)
+    folders = {}
+    for name, model in (("target", target), ("draft", perturbed_copy(target, seed=4, noise=0.3))):
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+        folders[name] = root / name
+    return folders
+
+
+def write_preset(folder: Path, target: Path, draft: Path | None = None) -> str:
+    """A preset file for ``target`` (draft_model with ``draft``, else ngram); its path."""
+    path = folder / ("tiny-draft.toml" if draft else "tiny-ngram.toml")
+    path.write_text(PRESET.format(target=target, method="draft_model" if draft else "ngram",
+                                  draft=f', model = "{draft}"' if draft else ""),
+                    encoding="utf-8")
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def presets(tiny_folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory,
+            saved_model_dir: Path) -> dict[str, str]:
+    folder = tmp_path_factory.mktemp("cli-presets")
+    plain = folder / "plain"
+    plain.mkdir()
+    return {"draft": write_preset(folder, tiny_folders["target"], tiny_folders["draft"]),
+            "ngram": write_preset(folder, tiny_folders["target"]),
+            "no-template": write_preset(plain, saved_model_dir)}
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Crash logs (and anything else cached) go to this test's folder."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("LOCALSPEC_CACHE", str(cache))
+    return cache
+
+
+@pytest.fixture
+def no_loading(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any model load fails the command loudly: proves a check came before loading."""
+
+    def refuse(*_args: object, **_kwargs: object) -> Pipeline:
+        raise AssertionError("a model was loaded before the flags were checked")
+
+    monkeypatch.setattr(Pipeline, "load", refuse)
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """main(args) in-process: (exit status, stdout, stderr); argparse's exits included."""
+    try:
+        code = main(list(args))
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_user_error(result: tuple[int, str, str], *needles: str) -> None:
+    code, _, err = result
+    assert code == 2, err
+    assert "Traceback" not in err
+    last = err.replace("\r", "\n").strip().splitlines()[-1]  # after any progress bar
+    assert last.startswith("localspec: error: ") and err.count("localspec:") == 1, err
+    for needle in needles:
+        assert needle in err, (needle, err)
+
+
+# ----------------------------------------------------------------------------- generate flags
+
+
+@pytest.mark.parametrize(("flags", "setting"), [
+    (["--temperature", "nan"], "temperature"),
+    (["--temperature", "inf"], "temperature"),
+    (["--temperature", "-1"], "temperature"),
+    (["--top-p", "-0.5"], "top_p"),
+    (["--top-p", "0"], "top_p"),
+    (["--top-p", "nan"], "top_p"),
+    (["--top-k", "-1"], "top_k"),
+    (["--max-new-tokens", "0"], "max_new_tokens"),
+    (["--max-new-tokens", str(MAX_NEW_TOKENS + 1)], "max_new_tokens"),
+    (["--num-speculative-tokens", "0"], "num_speculative_tokens"),
+    (["--num-speculative-tokens", "33"], "num_speculative_tokens"),
+    (["--seed", "-1"], "seed"),
+    (["--seed", str(2**64)], "seed"),
+    (["--seed", str(MAX_SEED), "--num-samples", "2"], "--num-samples 2"),
+    (["--seed", str(MAX_SEED - 2), "--num-samples", "4"], "beyond the 64-bit limit"),
+])
+@pytest.mark.usefixtures("no_loading")
+def test_generate_bad_setting_is_exit_2_before_loading(
+        capsys: pytest.CaptureFixture[str], presets: dict[str, str], flags: list[str],
+        setting: str) -> None:
+    assert_user_error(run_cli(capsys, "generate", "--preset", presets["draft"], "--prompt", "hi",
+                              *flags), setting)
+
+
+def test_largest_seeds_that_fit_are_accepted(presets: dict[str, str]) -> None:
+    from localspec.cli.generate import plan_generate
+    from localspec.cli.main import build_parser
+
+    args = build_parser().parse_args(["generate", "--preset", presets["ngram"], "--prompt", "x",
+                                      "--seed", str(MAX_SEED - 2), "--num-samples", "3"])
+    assert plan_generate(args).seeds == (MAX_SEED - 2, MAX_SEED - 1, MAX_SEED)
+
+
+@pytest.mark.parametrize(("command", "flag", "value"), [
+    ("generate", "--num-samples", "0"), ("generate", "--num-samples", "-3"),
+    ("generate", "--num-samples", "1001"), ("generate", "--num-samples", "two"),
+    ("bench", "--repeats", "0"), ("bench", "--repeats", "-1"), ("bench", "--repeats", "101"),
+])
+def test_counts_out_of_range_are_argparse_errors(capsys: pytest.CaptureFixture[str],
+                                                 presets: dict[str, str], command: str,
+                                                 flag: str, value: str) -> None:
+    prompt = ["--prompt", "hi"] if command == "generate" else []
+    code, _, err = run_cli(capsys, command, "--preset", presets["ngram"], *prompt, flag, value)
+    assert code == 2 and f"argument {flag}" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(("flags", "needle"), [
+    (["--prompt", ""], "--prompt is empty"),
+    (["--prompt", "  \n\t "], "only whitespace"),
+    (["--prompt", "", "--raw"], "--prompt is empty"),
+    (["--prompt", "hi", "--method", "draft_model"], "needs a draft model"),
+])
+@pytest.mark.usefixtures("no_loading")
+def test_generate_bad_prompt_or_method_before_loading(
+        capsys: pytest.CaptureFixture[str], presets: dict[str, str], flags: list[str],
+        needle: str) -> None:
+    assert_user_error(run_cli(capsys, "generate", "--preset", presets["ngram"], *flags), needle)
+
+
+def test_generate_without_chat_template_says_use_raw(capsys: pytest.CaptureFixture[str],
+                                                     presets: dict[str, str]) -> None:
+    assert_user_error(run_cli(capsys, "generate", "--preset", presets["no-template"],
+                              "--prompt", "hi"), "no chat template", "--raw")
+    code, _, err = run_cli(capsys, "generate", "--preset", presets["no-template"],
+                           "--prompt", "  ", "--raw", "--max-new-tokens", "3")
+    assert code == 0, err  # whitespace is a fine raw continuation
+
+
+def test_generate_prompt_longer_than_context(capsys: pytest.CaptureFixture[str],
+                                             presets: dict[str, str]) -> None:
+    """The engine's GenerationError (a LocalSpecError) is exit 2, not a traceback."""
+    assert_user_error(run_cli(capsys, "generate", "--preset", presets["ngram"], "--raw",
+                              "--prompt", "hello world " * 200), "context holds 256")
+
+
+def test_generate_json_and_streaming(capsys: pytest.CaptureFixture[str],
+                                     presets: dict[str, str]) -> None:
+    code, out, err = run_cli(capsys, "generate", "--preset", presets["draft"], "--prompt", "hi",
+                             "--json", "--num-samples", "2", "--temperature", "0.7",
+                             "--seed", "3")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["method"] == "draft_model" and len(data["samples"]) == 2
+    assert all(len(s["token_ids"]) == 8 for s in data["samples"])
+    assert data["stats"]["new_tokens"] == 16
+    code, out, err = run_cli(capsys, "generate", "--preset", presets["draft"], "--prompt", "hi",
+                             "--method", "ngram")
+    assert code == 0, err
+    assert "[ngram] 8 tokens" in err
+
+
+@pytest.mark.parametrize("temperature", ["1e-40", "5e-324"])
+def test_generate_tiny_temperature_is_greedy_not_nan(capsys: pytest.CaptureFixture[str],
+                                                     presets: dict[str, str],
+                                                     temperature: str) -> None:
+    """A valid but tiny temperature must not overflow the logits into NaN probabilities."""
+    outputs = []
+    for value in ("0", temperature):
+        code, out, err = run_cli(capsys, "generate", "--preset", presets["draft"], "--prompt",
+                                 "hi", "--json", "--temperature", value)
+        assert code == 0, err
+        outputs.append(json.loads(out)["samples"][0]["token_ids"])
+    assert outputs[0] == outputs[1]
+
+
+# ----------------------------------------------------------------------------- bench and verify
+
+
+@pytest.mark.parametrize(("methods", "needle"), [
+    ("none,draft_model", "method 'draft_model' needs a draft model"),
+    ("hf-assisted", "method 'hf-assisted' needs a draft model"),
+    ("ngram,beam", "unknown method(s) beam"),
+    (" , ", "no methods"),
+])
+@pytest.mark.usefixtures("no_loading")
+def test_bench_methods_checked_before_anything_runs(
+        capsys: pytest.CaptureFixture[str], presets: dict[str, str], methods: str,
+        needle: str) -> None:
+    assert_user_error(run_cli(capsys, "bench", "--preset", presets["ngram"], "--methods",
+                              methods), needle)
+
+
+@pytest.mark.parametrize("command", ["bench", "verify"])
+@pytest.mark.usefixtures("no_loading")
+def test_bench_and_verify_max_new_tokens_checked_first(
+        capsys: pytest.CaptureFixture[str], presets: dict[str, str], command: str) -> None:
+    assert_user_error(run_cli(capsys, command, "--preset", presets["ngram"],
+                              "--max-new-tokens", "0"), "max_new_tokens")
+
+
+def test_default_methods_follow_the_preset(presets: dict[str, str]) -> None:
+    assert default_methods(load_preset(presets["ngram"])) == ["none", "ngram", "hf-lookup"]
+    with_draft = load_preset(presets["draft"])
+    assert "draft_model" in default_methods(with_draft)
+    assert check_methods(with_draft, ["ngram", "none", "ngram", "hf-assisted"]) == [
+        "none", "ngram", "hf-assisted"]
+
+
+BAD_LINES = [
+    ('{"messages": "oops"}', "'messages' must be a non-empty list"),
+    ('{"messages": []}', "'messages' must be a non-empty list"),
+    ('{"messages": [{"role": "user"}]}', "exactly the keys 'role' and 'content'"),
+    ('{"messages": [{"role": "user", "content": 5}]}', "'content' must be a string"),
+    ('{"messages": ["hi"]}', "messages[0] must be an object"),
+    ('{"prompt": 5}', "'prompt' must be a non-empty string"),
+    ('{"prompt": "  "}', "'prompt' must be a non-empty string"),
+    ('{"prompt": "a", "messages": [{"role": "user", "content": "b"}]}', "exactly one of"),
+    ('{"category": 3, "prompt": "x"}', "'category' must be a string"),
+    ('{"promt": "x"}', "unknown key(s) promt"),
+    ("[1, 2]", "need a JSON object"),
+    ("not json", "not JSON"),
+]
+
+
+@pytest.mark.parametrize(("line", "needle"), BAD_LINES)
+@pytest.mark.parametrize("command", ["bench", "verify"])
+@pytest.mark.usefixtures("no_loading")
+def test_bad_prompt_lines_name_file_and_line(
+        capsys: pytest.CaptureFixture[str], presets: dict[str, str], tmp_path: Path,
+        command: str, line: str, needle: str) -> None:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "fine"}\n\n' + line + "\n", encoding="utf-8")
+    assert_user_error(run_cli(capsys, command, "--preset", presets["ngram"], "--prompts",
+                              str(path)), f"{path} line 3", needle)
+
+
+@pytest.mark.usefixtures("no_loading")
+def test_unreadable_prompt_files(capsys: pytest.CaptureFixture[str], presets: dict[str, str],
+                                 tmp_path: Path) -> None:
+    not_utf8 = tmp_path / "latin1.jsonl"
+    not_utf8.write_bytes('{"prompt": "ok"}\n{"prompt": "caf\u00e9"}\n'.encode("latin-1"))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n  \n", encoding="utf-8")
+    for path, needle in ((tmp_path, "cannot read the prompts file"),
+                         (tmp_path / "missing.jsonl", "cannot read the prompts file"),
+                         (not_utf8, "line 2: not UTF-8"),
+                         (empty, "no prompts")):
+        assert_user_error(run_cli(capsys, "bench", "--preset", presets["ngram"], "--prompts",
+                                  str(path)), str(path), needle)
+    with pytest.raises(InputFileError, match="line 2: not UTF-8"):
+        load_prompts(str(not_utf8))
+
+
+def test_prompt_file_with_byte_order_mark(tmp_path: Path) -> None:
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "hi", "category": "c"}\n')
+    assert [(r["prompt"], r["category"]) for r in load_prompts(str(path))] == [("hi", "c")]
+
+
+def test_builtin_prompts_are_valid() -> None:
+    rows = load_prompts(None)
+    assert rows and all(isinstance(r["category"], str) and r["where"] for r in rows)
+
+
+@pytest.mark.parametrize("command", ["bench", "verify"])
+def test_prompt_file_errors_found_after_encoding(
+        capsys: pytest.CaptureFixture[str], presets: dict[str, str], tmp_path: Path,
+        command: str) -> None:
+    """A conversation the chat template refuses, or a prompt longer than the context: exit 2
+    naming the line, before any method runs."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"prompt": "short"}) + "\n"
+                    + json.dumps({"prompt": "hello world " * 200}) + "\n", encoding="utf-8")
+    assert_user_error(run_cli(capsys, command, "--preset", presets["ngram"], "--prompts",
+                              str(path)), "line 2", "context holds 256")
+    path.write_text(json.dumps({"messages": [{"role": "robot", "content": "x"}]}) + "\n",
+                    encoding="utf-8")
+    assert_user_error(run_cli(capsys, command, "--preset", presets["ngram"], "--prompts",
+                              str(path)), "line 1", "unknown role robot")
+
+
+def test_bench_and_verify_run(capsys: pytest.CaptureFixture[str], presets: dict[str, str],
+                              tmp_path: Path) -> None:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"category": "a", "prompt": "def add(a, b):"}) + "\n"
+                    + json.dumps({"messages": [{"role": "user", "content": "hello"}]}) + "\n",
+                    encoding="utf-8")
+    code, out, err = run_cli(capsys, "bench", "--preset", presets["draft"], "--prompts",
+                             str(path), "--methods", "ngram,draft_model", "--max-new-tokens",
+                             "6", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert list(report["methods"]) == ["none", "ngram", "draft_model"]
+    assert all(r["identical_to_none"] for r in report["methods"].values())
+    assert [p["category"] for p in report["prompts"]] == ["a", ""]
+    code, out, err = run_cli(capsys, "verify", "--preset", presets["ngram"], "--prompts",
+                             str(path), "--max-new-tokens", "6", "--json")
+    assert code == 0, err
+    assert json.loads(out)["passed"] is True
+
+
+# ----------------------------------------------------------------------------- presets, export
+
+
+def test_bad_presets_are_exit_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    broken = tmp_path / "broken.toml"
+    broken.write_text("name = [unclosed\n", encoding="utf-8")
+    wrong = tmp_path / "wrong.toml"
+    wrong.write_text('name = "x"\ndescription = "y"\nhardware = "cpu"\n[target]\nmodel = 3\n',
+                     encoding="utf-8")
+    folder = tmp_path / "folder.toml"
+    folder.mkdir()
+    missing = tmp_path / "gone.toml"
+    missing.write_text('name = "x"\ndescription = "y"\nhardware = "cpu"\n[target]\nmodel = '
+                       f'"{tmp_path / "no-such-model"}"\n', encoding="utf-8")
+    for preset, needle in (("no-such-preset", "unknown preset"), (str(broken), "not valid TOML"),
+                           (str(wrong), "[target] model"), (str(folder), "not a file")):
+        assert_user_error(run_cli(capsys, "export-vllm", preset), needle)
+        assert_user_error(run_cli(capsys, "generate", "--preset", preset, "--prompt", "hi"),
+                          needle)
+    code, _, err = run_cli(capsys, "generate", "--preset", str(missing), "--prompt", "hi")
+    assert code == 2 and "Traceback" not in err and "no-such-model" in err
+
+
+# ----------------------------------------------------------------------------- bugs, interrupts
+
+
+def _boom(_args: object) -> int:
+    raise RuntimeError("boom\nsecond line")
+
+
+def test_internal_error_is_logged_not_shown(capsys: pytest.CaptureFixture[str],
+                                            monkeypatch: pytest.MonkeyPatch,
+                                            _own_cache: Path) -> None:
+    monkeypatch.setattr("localspec.cli.main._cmd_presets", _boom)
+    code, _, err = run_cli(capsys, "presets")
+    assert code == 1 and "Traceback" not in err
+    line = err.strip()
+    assert line.startswith("localspec: internal error: RuntimeError: boom (details: ")
+    log = Path(line.removesuffix(")").rsplit("(details: ", 1)[1])
+    assert log.parent == _own_cache / "logs"
+    text = log.read_text(encoding="utf-8")
+    assert "Traceback" in text and "second line" in text and "_boom" in text
+
+
+def test_internal_error_without_a_writable_log_shows_traceback(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder", encoding="utf-8")
+    monkeypatch.setenv("LOCALSPEC_CACHE", str(blocker))
+    monkeypatch.setattr("localspec.cli.main._cmd_presets", _boom)
+    code, _, err = run_cli(capsys, "presets")
+    assert code == 1 and "localspec: internal error: RuntimeError: boom (no log file" in err
+    assert "Traceback" in err  # never hidden
+
+
+@pytest.mark.parametrize(("exc", "status", "message"), [
+    (KeyboardInterrupt, 130, "localspec: interrupted\n"),
+    (BrokenPipeError, 141, ""),  # `localspec generate ... | head`: quiet
+])
+def test_interrupt_and_broken_pipe(capsys: pytest.CaptureFixture[str],
+                                   monkeypatch: pytest.MonkeyPatch, exc: type[BaseException],
+                                   status: int, message: str) -> None:
+    def stopped(_args: object) -> int:
+        raise exc
+
+    monkeypatch.setattr("localspec.cli.main._cmd_presets", stopped)
+    assert run_cli(capsys, "presets") == (status, "", message)
+
+
+def _python(code: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "LOCALSPEC_CACHE": str(tmp_path / "cache")}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=REPO, env=env, timeout=300)
+
+
+def test_subprocess_stderr_has_no_traceback(presets: dict[str, str], tmp_path: Path) -> None:
+    """The real ``python -m localspec`` process: one line on stderr, the right exit status."""
+    out = subprocess.run([sys.executable, "-m", "localspec", "generate", "--preset",
+                          presets["ngram"], "--prompt", "hi", "--temperature", "nan"],
+                         capture_output=True, text=True, cwd=REPO, timeout=300,
+                         env={**os.environ, "LOCALSPEC_CACHE": str(tmp_path / "cache")})
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.startswith("localspec: error: temperature")
+    bug = _python("import sys\nimport localspec.cli.main as m\n"
+                  "def boom(_args):\n    raise ValueError('a bug')\n"
+                  "m._cmd_presets = boom\nsys.exit(m.main(['presets']))", tmp_path)
+    assert bug.returncode == 1 and "Traceback" not in bug.stderr, bug.stderr
+    assert "internal error: ValueError: a bug (details: " in bug.stderr
+    assert list((tmp_path / "cache" / "logs").glob("crash-*.log"))
