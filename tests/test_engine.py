@@ -524,3 +524,16 @@ def test_plain_stats_one_token_per_pass(target_runner: ModelRunner) -> None:
     assert stats.mean_accepted_length == 1.0
     assert stats.target_forward_passes == 10 and stats.drafted == 0
     assert stats.acceptance_rate == 0.0 and stats.accepted_per_position == []
+
+
+def test_drafting_stops_when_it_does_not_pay(target_runner: ModelRunner,
+                                             random_draft_model: PreTrainedModel) -> None:
+    """A draft that is never right and costs as much as the target: adaptive k falls back to
+    plain steps (k = 0) with rare probes, so speculation is not slower than plain decoding."""
+    engine = SpeculativeEngine(target_runner, draft_drafter(random_draft_model), decode, set())
+    tokens, events = collect(engine, request(PROMPTS["random-a"], k=8, adaptive=True,
+                                             max_new_tokens=120))
+    drafting = [e for e in events if e.drafted]
+    assert len(tokens) == 120
+    assert sum(not e.drafted for e in events) > 80
+    assert len(drafting) <= 12, [len(e.drafted) for e in events]

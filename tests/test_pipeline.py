@@ -34,6 +34,7 @@ prompt_lookup_min = 1
 max_new_tokens = 30
 
 [localspec]
+adaptive_k = false  # the tiny draft costs as much as the target: adaptive k would stop drafting
 draft_dtype = "float32"
 draft_confidence_threshold = 0.0
 lookup_first = {lookup_first}

@@ -14,12 +14,20 @@ when long drafts pay. We estimate
   * c_verify(n) = a + b * n from measured verify times, by least squares with forgetting
     (a forward pass over 1 to 16 tokens costs nearly the same on a CPU: b is small),
 and choose the k in [0, k_max] with the best E[tokens] / cost. k = 0 is plain decoding, which
-wins when the drafter keeps missing. This replaces a fixed "+2 on success, -1 on failure" rule.
+wins when the drafter keeps missing: then drafting stops, so speculation is never slower than
+plain decoding by more than the probes. A probe (one step with one draft) follows a run of plain
+steps whose length doubles after each failed probe (8, 16, ... up to 128 steps), so acceptance
+can recover when the text changes (a long quote, a repeated block) at a cost of at most one
+draft per 8 steps. This replaces a fixed "+2 on success, -1 on failure" rule.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+FIRST_PROBE_INTERVAL = 8  # plain steps before drafting is tried again
+MAX_PROBE_INTERVAL = 128
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -50,6 +58,9 @@ class AdaptiveK:
     _st: float = field(default=0.0, init=False)
     _snn: float = field(default=0.0, init=False)
     _snt: float = field(default=0.0, init=False)
+    # plain steps (k = 0) before the next probe, and how many have run
+    _probe_interval: int = field(default=FIRST_PROBE_INTERVAL, init=False)
+    _plain_steps: int = field(default=0, init=False)
 
     @property
     def alpha(self) -> float:
@@ -116,5 +127,17 @@ class AdaptiveK:
             rate = self.expected_tokens(k) / cost
             if rate > best_rate * 1.0001:
                 best_k, best_rate = k, rate
-        # Never settle on k=0 for good: keep probing with one draft so alpha can recover.
-        return max(best_k, 1)
+        if best_k > 0:
+            self._probe_interval, self._plain_steps = FIRST_PROBE_INTERVAL, 0
+            return best_k
+        return self._plain_or_probe()
+
+    def _plain_or_probe(self) -> int:
+        """k = 0, except one draft after every ``_probe_interval`` plain steps; the interval
+        doubles while probes keep failing (a success resets it through ``choose``)."""
+        if self._plain_steps < self._probe_interval:
+            self._plain_steps += 1
+            return 0
+        self._plain_steps = 0
+        self._probe_interval = min(2 * self._probe_interval, MAX_PROBE_INTERVAL)
+        return 1
