@@ -53,13 +53,35 @@ def test_high_acceptance_cheap_drafts_choose_k_max() -> None:
     assert controller.choose() == 8
 
 
-def test_no_acceptance_expensive_drafts_floor_at_one() -> None:
-    """Drafts always rejected and costly: k=0 would be best, but the floor keeps probing at 1."""
+def test_no_acceptance_expensive_drafts_stop_drafting_with_sparse_probes() -> None:
+    """Drafts always rejected and costly: k = 0 (plain decoding), except one probe draft after
+    8, 16, 32, 64, then every 128 plain steps; once drafts pay again the probing starts over
+    from 8."""
     controller = AdaptiveK(k_max=8)
     for _ in range(30):
         controller.update(drafted=4, accepted=0, draft_time=4 * 0.02, verify_time=0.02)
     assert controller.alpha < 0.2
-    assert controller.choose() == 1
+
+    def run(steps: int, accepted_share: float, draft_time: float) -> list[int]:
+        choices = []
+        for _ in range(steps):
+            k = controller.choose()
+            choices.append(k)
+            controller.update(drafted=k, accepted=round(k * accepted_share),
+                              draft_time=k * draft_time, verify_time=0.02)
+        return choices
+
+    choices = run(400, 0.0, 0.02)
+    assert set(choices) == {0, 1}
+    probes = [i for i, k in enumerate(choices) if k]
+    gaps = [b - a - 1 for a, b in zip([-1, *probes], probes, strict=False)]
+    assert gaps == [8, 16, 32, 64, 128, 128]  # plain steps before each probe
+    for _ in range(30):  # the text changed: drafts are accepted and cheap again
+        controller.update(drafted=8, accepted=8, draft_time=8e-4, verify_time=0.02)
+    assert run(1, 1.0, 1e-4)[0] > 0
+    for _ in range(30):  # and failing again: the first probe comes after 8 steps, not 128
+        controller.update(drafted=4, accepted=0, draft_time=4 * 0.02, verify_time=0.02)
+    assert run(9, 0.0, 0.02) == [0] * 8 + [1]
 
 
 def test_alpha_prior_and_estimate() -> None:

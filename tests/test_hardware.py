@@ -1,30 +1,51 @@
 """Memory estimates computed from model configs, hardware detection, the presets listing and the
-vLLM export. The parameter count is checked against real instantiated models (tiny ones built
-from configs, and the built-in checkpoints when they are cached), the byte rules against
-bitsandbytes and LocalSpec's own int8 layers."""
+vLLM export. The parameter count is checked against models transformers builds on the meta
+device (every architecture of the shipped table, tiny ones) and the table's built-in entries
+against the real GGUF checkpoints in their packages; the byte rules against bitsandbytes and
+LocalSpec's own int8 layers."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import replace
 from pathlib import Path
 
+import gguf
+import psutil
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig, Qwen2Config
+from accelerate.utils import compute_module_sizes
+from conftest import tiny_config
+from torch import nn
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    BitsAndBytesConfig,
+    LlamaConfig,
+    PretrainedConfig,
+    Qwen2Config,
+)
 
-from localspec.cli.main import main
 from localspec.cli.export import export_vllm
+from localspec.cli.main import main
+from localspec.errors import ModelLoadError
+from localspec.models.builtin import BUILTIN_MODELS
+from localspec.models.cache import _source_files
 from localspec.models.hardware import (
     GIB,
     HARDWARE_MEMORY,
+    KNOWN_CONFIGS,
     Architecture,
     Gpu,
     Hardware,
     HardwareError,
     MemoryEstimate,
-    _meminfo,
     architecture,
     count_parameters,
     detect_hardware,
@@ -34,49 +55,114 @@ from localspec.models.hardware import (
     survey_presets,
     weight_bytes,
 )
-from localspec.config import cache_root
 from localspec.presets import list_preset_names, load_preset
 from localspec.runtime.quant import quantize_int8_weight_only
 
+REPO = Path(__file__).resolve().parent.parent
 SMALL = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2)
+SHIPPED = json.loads(KNOWN_CONFIGS.read_text(encoding="utf-8"))["models"]
 
 
-@pytest.mark.parametrize("config", [
-    Qwen2Config(**SMALL, tie_word_embeddings=False),
-    Qwen2Config(**SMALL, tie_word_embeddings=True),
-    LlamaConfig(**SMALL, tie_word_embeddings=True),
-    LlamaConfig(**SMALL, tie_word_embeddings=False, attention_bias=True, mlp_bias=True),
-    LlamaConfig(**{**SMALL, "num_key_value_heads": 4}, head_dim=16),  # head_dim != hidden/heads
-], ids=["qwen2", "qwen2-tied", "llama-tied", "llama-bias", "llama-head-dim"])
-def test_parameter_count_matches_an_instantiated_model(config: object) -> None:
-    model = AutoModelForCausalLM.from_config(config)
-    counted = count_parameters(Architecture.from_config(config.to_dict())).total
-    assert counted == sum(p.numel() for p in model.parameters())
+def _from_table(name: str) -> PretrainedConfig:
+    """The transformers config of a model_configs.json entry, as transformers itself builds it."""
+    fields = {k: v for k, v in SHIPPED[name].items() if k != "hf_repo"}
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
 
 
-@pytest.mark.parametrize("name", ["qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct",
-                                  "smollm2-135m-instruct"])
-def test_builtin_models_count_exactly(name: str) -> None:
-    """The shipped table and the converted checkpoint's real config agree with its weights."""
-    folder = cache_root() / "models" / name
-    if not (folder / "model.safetensors").is_file():
-        pytest.skip(f"{name} is not converted yet (the real-model tests do that)")
-    from safetensors import safe_open
-
-    with safe_open(str(folder / "model.safetensors"), "pt") as f:
-        stored = sum(_prod(f.get_slice(k).get_shape()) for k in f.keys())  # noqa: SIM118
-    from localspec.models.hardware import _known_configs
-
-    assert count_parameters(architecture(name)).total == stored
-    assert count_parameters(Architecture.from_config(_known_configs()[name])).total == stored
+CONFIGS = {
+    **{name: lambda name=name: _from_table(name) for name in SHIPPED},
+    "conftest-tiny": tiny_config,
+    "qwen2-tied": lambda: Qwen2Config(**SMALL, tie_word_embeddings=True),
+    "llama-bias": lambda: LlamaConfig(**SMALL, tie_word_embeddings=False, attention_bias=True,
+                                      mlp_bias=True),
+    "llama-head-dim": lambda: LlamaConfig(**{**SMALL, "num_key_value_heads": 4}, head_dim=16),
+}
 
 
-def _prod(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+@pytest.mark.parametrize("key", list(CONFIGS))
+def test_parameter_count_matches_a_meta_model(key: str) -> None:
+    """count_parameters (plain arithmetic) equals the model transformers builds from the same
+    config, exactly: in total, in the decoder layers' linear weights (what quantization shrinks)
+    and their output rows; the dtype bytes agree with accelerate's compute_module_sizes.
+
+    Built under ``torch.device("meta")``, not accelerate's ``init_empty_weights``: the latter
+    re-creates every assigned parameter, which unties a tied LM head (accelerate issue #3668)
+    and would count the embedding twice."""
+    config = CONFIGS[key]()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    arch = Architecture.from_config(config.to_dict())
+    counts = count_parameters(arch)
+    assert counts.total == sum(p.numel() for p in model.parameters())
+    linears = [m for m in model.model.layers.modules() if isinstance(m, nn.Linear)]
+    assert counts.linear == sum(m.weight.numel() for m in linears)
+    assert counts.linear_rows == sum(m.out_features for m in linears)
+    sizes = compute_module_sizes(model, dtype=torch.bfloat16)
+    buffers = compute_module_sizes(model, dtype=torch.bfloat16, buffers_only=True)
+    assert weight_bytes(arch, "none", "bfloat16") == sizes[""] - buffers.get("", 0)
+
+
+def _gguf_reader(name: str, tmp_path: Path) -> gguf.GGUFReader:
+    """The header of a built-in checkpoint straight from its installed package (no cache).
+
+    A split checkpoint's header lies in its first part; the first part is copied into a sparse
+    file of the assembled size, so the reader's tensor views fit without copying the weights."""
+    model = BUILTIN_MODELS[name]
+    try:
+        sources = _source_files(model)
+    except ModelLoadError as exc:
+        pytest.skip(f"{name}: its package is not installed ({exc})")
+    if len(sources) == 1:
+        return gguf.GGUFReader(str(sources[0]))
+    sparse = tmp_path / model.gguf_name
+    shutil.copyfile(sources[0], sparse)
+    os.truncate(sparse, model.size)
+    return gguf.GGUFReader(str(sparse))
+
+
+LINEAR_TENSORS = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
+                  "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("name", list(BUILTIN_MODELS))
+def test_builtin_table_matches_the_shipped_gguf(name: str, tmp_path: Path) -> None:
+    """The shipped table's entry for a built-in equals its real checkpoint: the GGUF header's
+    hyperparameters and its tensors' element counts (total and linear). Reads the installed
+    packages directly, so it needs no converted model in the cache and no test before it."""
+    reader = _gguf_reader(name, tmp_path)
+    table = SHIPPED[name]
+    kind = reader.get_field("general.architecture").contents()
+    assert kind == table["model_type"]
+    facts = {key: reader.get_field(f"{kind}.{field}").contents() for key, field in [
+        ("num_hidden_layers", "block_count"), ("hidden_size", "embedding_length"),
+        ("intermediate_size", "feed_forward_length"),
+        ("num_attention_heads", "attention.head_count"),
+        ("num_key_value_heads", "attention.head_count_kv"),
+        ("max_position_embeddings", "context_length")]}
+    assert facts == {key: table[key] for key in facts}
+    tensors = {t.name: int(t.n_elements) for t in reader.tensors}
+    assert tensors["token_embd.weight"] == table["vocab_size"] * table["hidden_size"]
+    assert ("output.weight" not in tensors) == table["tie_word_embeddings"]
+    counts = count_parameters(Architecture.from_config(table))
+    assert counts.total == sum(tensors.values())
+    assert counts.linear == sum(n for t, n in tensors.items() if t.endswith(LINEAR_TENSORS))
+
+
+def test_converted_config_on_disk_wins_over_the_table(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A built-in's architecture comes from the shipped table until a converted config.json is
+    in the cache, then from that file (here one with another vocabulary, written by
+    transformers): the estimate follows the checkpoint actually run."""
+    monkeypatch.setenv("LOCALSPEC_CACHE", str(tmp_path))
+    name = "smollm2-135m-instruct"
+    assert architecture(name) == Architecture.from_config(SHIPPED[name])
+    config = _from_table(name)
+    config.vocab_size = 1000
+    config.save_pretrained(tmp_path / "models" / name)
+    on_disk = architecture(name)
+    assert on_disk == replace(Architecture.from_config(SHIPPED[name]), vocab_size=1000)
 
 
 @pytest.mark.parametrize(("repo", "billions"), [
@@ -169,14 +255,28 @@ def test_fits_reasons() -> None:
     assert fits(cpu_need, cpu_only)[0]
 
 
-def test_meminfo_and_detection(tmp_path: Path) -> None:
-    fake = tmp_path / "meminfo"
-    fake.write_text("MemTotal:       16384000 kB\nMemFree:  100 kB\nMemAvailable:   8192000 kB\n")
-    assert _meminfo(fake) == (16384000 * 1024, 8192000 * 1024)
+def test_detect_hardware_reports_this_machine() -> None:
+    """Cores and RAM are this machine's, in bytes: RAM total equals psutil's and, where POSIX
+    says, physical pages x page size (an independent source); free RAM lies within it."""
     hw = detect_hardware()
-    assert hw.cpu_count >= 1 and hw.ram_total > 0
+    assert hw.cpu_count == os.cpu_count()
+    assert hw.ram_total == psutil.virtual_memory().total
+    if hasattr(os, "sysconf") and "SC_PHYS_PAGES" in os.sysconf_names:
+        assert hw.ram_total == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert 0 < hw.ram_available <= hw.ram_total
     assert len(hw.gpus) == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
-    assert "RAM" in hw.describe()
+    assert f"{hw.cpu_count} CPU cores, {hw.ram_total / GIB:.1f} GiB RAM" in hw.describe()
+
+
+def test_estimates_import_no_torch() -> None:
+    """The preset listing's estimates run without torch (it costs seconds to import)."""
+    code = ("import sys; from localspec.models import hardware as h; "
+            "rows = h.survey_presets(h.Hardware(2, 32 * h.GIB, 30 * h.GIB)); "
+            "assert all(r.estimate for r in rows), rows; "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            cwd=REPO, timeout=120)
+    assert result.returncode == 0, result.stderr
 
 
 def test_survey_marks_what_fits_and_invalid_files(tmp_path: Path) -> None:

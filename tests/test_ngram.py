@@ -46,7 +46,30 @@ def test_ngram_drafter_proposal_is_one_hot() -> None:
     assert proposal.q_draft is None
     assert proposal.confidences == (1.0, 1.0)
     assert drafter.propose(context, 0, SamplingParams(), torch.Generator()).tokens == []
-    drafter.reset()  # stateless: must not raise
+
+
+def test_ngram_drafter_keeps_nothing_across_sequences() -> None:
+    """The drafter is stateless: a second sequence gets what a fresh drafter proposes, whether
+    or not ``reset()`` came between, and the first sequence proposes the same after a reset.
+    The second sequence's tail [4, 2] occurs only in the first: a drafter that remembered the
+    earlier tokens would propose [6, 6] where a fresh one proposes nothing."""
+    first = [4, 2, 6, 6, 1, 2, 3, 1, 2]
+    second = [9, 8, 4, 2]
+    assert find_ngram_continuation(first + second, 2, 3, 1) == [6, 6]  # what a leak would give
+
+    def propose(drafter: NgramDrafter, context: list[int]) -> list[int]:
+        return drafter.propose(context, 2, SamplingParams(), torch.Generator()).tokens
+
+    fresh = {name: propose(NgramDrafter(3, 1), ctx) for name, ctx in
+             [("first", first), ("second", second)]}
+    assert fresh == {"first": [3, 1], "second": []}
+    used = NgramDrafter(prompt_lookup_max=3, prompt_lookup_min=1)
+    assert propose(used, first) == fresh["first"]
+    assert propose(used, second) == fresh["second"]  # no reset in between
+    used.reset()
+    assert propose(used, first) == fresh["first"]
+    used.reset()
+    assert propose(used, second) == fresh["second"]
 
 
 @pytest.mark.parametrize(("max_n", "min_n"), [(2, 3), (4, 0), (0, 0)])

@@ -12,12 +12,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from localspec.cli import check
 from localspec.cli.bench import load_prompts
-from localspec.models.builtin import BUILTIN_MODELS
-from localspec.cli.check import check_greedy
-from localspec.engine.engine import GenerationError
+from localspec.cli.check import P_VALUE_THRESHOLD, check_greedy, check_sampling
 from localspec.config import ModelSpec
+from localspec.engine.engine import GenerationError
+from localspec.models.builtin import BUILTIN_MODELS
 from localspec.models.cache import _source_files
 from localspec.models.loading import ModelLoadError, check_same_tokenizer, load_model
 from localspec.pipeline import Pipeline
@@ -152,4 +154,39 @@ def test_cli_verify_passes_on_real_model(tmp_path: Path) -> None:
     report = json.loads(out.stdout)
     assert report["passed"] is True
     assert {r["method"] for r in report["greedy"]} == {"ngram"}
-    assert all(0.0 <= r["p_value"] <= 1.0 for r in report["sampling"])
+    # 2 prompts x 3 positions, one-hot q only (the preset has no draft model): every row's
+    # chi-square p-value clears the threshold (test_sampling_check_rejects_wrong_distributions
+    # shows the same check failing a wrong sampler on real rows).
+    sampling = report["sampling"]
+    assert len(sampling) == 6 and {r["drafter"] for r in sampling} == {"ngram (one-hot q)"}
+    assert all(r["passed"] and r["p_value"] >= P_VALUE_THRESHOLD for r in sampling), sampling
+
+
+def test_sampling_check_rejects_wrong_distributions(smollm: Pipeline,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative controls for ``verify``'s chi-square check on real SmolLM2 rows: the honest
+    verifier passes them; a sampler drawing from a wrong distribution (p mixed with 30% uniform
+    over the row's support) and a broken verifier that always accepts the draft fail every row."""
+    prompts = [{"prompt": "Repeat exactly: a b c d e f"}]
+    honest = check_sampling(smollm, prompts)
+    assert len(honest) == 3 and all(r["p_value"] >= P_VALUE_THRESHOLD for r in honest), honest
+
+    def wrong_distribution(p: torch.Tensor, q: torch.Tensor | None, trials: int, seed: int
+                           ) -> torch.Tensor:
+        wrong = 0.7 * p + 0.3 / p.numel()
+        draws = torch.multinomial(wrong, trials, replacement=True,
+                                  generator=torch.Generator().manual_seed(seed))
+        return torch.bincount(draws, minlength=p.numel())
+
+    def always_accept(p: torch.Tensor, q: torch.Tensor | None, trials: int, seed: int
+                      ) -> torch.Tensor:
+        counts = torch.zeros_like(p, dtype=torch.long)
+        counts[int(torch.topk(p, 2).indices[1])] = trials  # the one-hot draft, never rejected
+        return counts
+
+    for broken in (wrong_distribution, always_accept):
+        monkeypatch.setattr(check, "emitted_token_counts", broken)
+        rows = check_sampling(smollm, prompts)
+        assert len(rows) == 3, broken.__name__
+        assert not any(r["passed"] for r in rows), (broken.__name__, rows)
+        assert all(r["p_value"] < P_VALUE_THRESHOLD for r in rows), (broken.__name__, rows)

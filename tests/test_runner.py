@@ -27,12 +27,19 @@ def test_chunked_forward_matches_full(target_model: PreTrainedModel) -> None:
 
 
 def test_logits_to_keep_and_last_hidden(target_model: PreTrainedModel) -> None:
-    """logits_to_keep=1 returns only the last row; last_hidden holds the kept rows."""
+    """logits_to_keep=1 returns only the last row; last_hidden holds the kept rows' final
+    hidden states, the ones the LM head turns into the returned logits."""
     runner = ModelRunner(target_model)
     last = runner.forward(TOKENS, logits_to_keep=1)
     assert last.shape == (1, 97) and last.dtype == torch.float32
     assert runner.last_hidden is not None and runner.last_hidden.shape == (1, 32)
     torch.testing.assert_close(last[0], full_logits(target_model, TOKENS)[-1])
+    with torch.no_grad():
+        torch.testing.assert_close(target_model.lm_head(runner.last_hidden), last)
+        runner.reset()
+        three = runner.forward(TOKENS, logits_to_keep=3)
+        assert runner.last_hidden.shape == (3, 32)
+        torch.testing.assert_close(target_model.lm_head(runner.last_hidden), three)
 
 
 def test_crop_then_continue_matches_fresh(target_model: PreTrainedModel) -> None:

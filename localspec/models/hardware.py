@@ -21,8 +21,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+import psutil
+
+from localspec.config import HARDWARE, Preset, cache_root
 from localspec.models.builtin import BUILTIN_MODELS
-from localspec.config import HARDWARE, HARDWARE_LABELS, Preset, cache_root
 
 GIB = 1024**3
 KNOWN_CONFIGS = Path(__file__).resolve().parent.parent / "data" / "model_configs.json"
@@ -81,6 +83,8 @@ class Architecture:
 
 @dataclass(frozen=True)
 class ParameterCount:
+    """A decoder's parameters split by how quantization treats them."""
+
     linear: int  # weights of the decoder layers' linear projections (what quantization shrinks)
     linear_rows: int  # their output rows (one scale each for int8 schemes)
     other: int  # embeddings, LM head, norms, biases: kept in the compute dtype
@@ -91,7 +95,10 @@ class ParameterCount:
 
 
 def count_parameters(arch: Architecture) -> ParameterCount:
-    """Exact parameter count of a Llama/Qwen2-style decoder from its architecture."""
+    """Exact parameter count of a Llama/Qwen2-style decoder from its architecture.
+
+    Plain arithmetic rather than a model built on the meta device, so the preset listing needs
+    no torch; the tests check it against such models for every shipped architecture."""
     h, d = arch.hidden_size, arch.head_dim
     q, kv = arch.num_attention_heads * d, arch.num_key_value_heads * d
     attention = h * q + 2 * h * kv + q * h  # q, k, v, o projections
@@ -244,26 +251,11 @@ class Hardware:
                 f"({self.ram_available / GIB:.1f} GiB free), {gpus}")
 
 
-def _meminfo(path: Path = Path("/proc/meminfo")) -> tuple[int, int]:
-    """(total, available) bytes from /proc/meminfo, or psutil where there is none."""
-    try:
-        fields = {}
-        for line in path.read_text().splitlines():
-            key, _, rest = line.partition(":")
-            fields[key] = int(rest.split()[0]) * 1024
-        return fields["MemTotal"], fields.get("MemAvailable", fields.get("MemFree", 0))
-    except (OSError, KeyError, ValueError, IndexError):
-        try:
-            import psutil
-        except ImportError:
-            return 0, 0
-        memory = psutil.virtual_memory()
-        return memory.total, memory.available
-
-
 def detect_hardware() -> Hardware:
-    """CPU cores, RAM and CUDA GPUs of this machine."""
-    total, available = _meminfo()
+    """CPU cores, RAM and CUDA GPUs of this machine. RAM comes from psutil (``/proc/meminfo`` on
+    Linux, the native APIs elsewhere), so there is no parser of our own to keep right. torch is
+    imported here, for the GPUs, and nowhere else in this module: estimates stay torch-free."""
+    memory = psutil.virtual_memory()
     gpus: list[Gpu] = []
     try:
         import torch
@@ -274,7 +266,8 @@ def detect_hardware() -> Hardware:
                 gpus.append(Gpu(props.name, int(props.total_memory)))
     except (ImportError, RuntimeError):
         pass
-    return Hardware(os.cpu_count() or 1, total, available, tuple(gpus))
+    return Hardware(os.cpu_count() or 1, int(memory.total), int(memory.available),
+                    tuple(gpus))
 
 
 def fits(estimate: MemoryEstimate, hardware: Hardware) -> tuple[bool, str]:
