@@ -74,7 +74,7 @@ def emitted_token_counts(p: torch.Tensor, q: torch.Tensor | None, trials: int, s
 
     p, q: [vocab]. The draft token is drawn from q (or is q's argmax for a one-hot draft).
     """
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator(device=p.device).manual_seed(seed)
     counts = torch.zeros_like(p, dtype=torch.long)
     p_rows = torch.stack([p, p])  # position 1 only matters for the bonus token
     for _ in range(trials):
@@ -131,7 +131,7 @@ def _draft_probs(runner: ModelRunner, ids: list[int], positions: int, width: int
     runner.reset()  # q must depend on this prompt only, not on the previous one's cache
     logits = runner.forward(ids, logits_to_keep=positions)  # [positions, vocab_draft]
     runner.reset()
-    out = torch.full((logits.shape[0], width), float("-inf"))
+    out = torch.full((logits.shape[0], width), float("-inf"), device=logits.device)
     cols = min(width, logits.shape[-1])
     out[:, :cols] = logits[:, :cols]
     return logits_to_probs(out, params)

@@ -70,7 +70,7 @@ class DraftModelDrafter:
 
     def _to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """[vocab_draft] -> [vocab_target] logits, padding rows masked out."""
-        out = torch.full((self.target_vocab_size,), float("-inf"))
+        out = torch.full((self.target_vocab_size,), float("-inf"), device=logits.device)
         out[: self.valid_vocab] = logits[: self.valid_vocab]
         return out
 

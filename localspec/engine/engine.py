@@ -165,7 +165,8 @@ class SpeculativeEngine:
         self, request: GenerationRequest, max_new: int, cancelled: Callable[[], bool]
     ) -> Iterator[StepEvent]:
         params = request.sampling
-        generator = torch.Generator().manual_seed(request.seed)
+        # Every draw on the target's device: a CPU generator cannot drive CUDA multinomials.
+        generator = torch.Generator(device=self.target.device).manual_seed(request.seed)
         k_max = request.num_speculative_tokens if self.drafter is not None else 0
         controller = AdaptiveK(k_max=k_max, enabled=request.adaptive)
         stream = _TextStream(self.decode, request.stop_strings)

@@ -136,7 +136,8 @@ def verify_sampling(
     The emitted tokens are distributed exactly as sampling from p one token at a time.
     """
     k = len(draft_tokens)
-    uniforms = torch.rand(k, generator=generator, dtype=torch.float64).tolist()
+    uniforms = torch.rand(k, generator=generator, dtype=torch.float64,
+                          device=generator.device).tolist()
     for i, token in enumerate(draft_tokens):
         q_i = None if q_draft is None else q_draft[i]
         if uniforms[i] < acceptance_probability(p_target[i], q_i, token):

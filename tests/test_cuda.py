@@ -1,0 +1,45 @@
+"""On a CUDA GPU: the engine runs every draw on the model's device (a CPU generator cannot
+drive CUDA multinomials) and stays lossless. Skipped where PyTorch sees no GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import collect, decode, make_tiny_model, perturbed_copy
+
+from localspec.drafters.draft_model import DraftModelDrafter
+from localspec.engine.engine import GenerationRequest, SpeculativeEngine
+from localspec.engine.verify import SamplingParams
+from localspec.runtime.runner import ModelRunner
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here")]
+PROMPT = [5, 17, 33, 2, 80, 41, 9]
+
+
+def engines(dtype: torch.dtype) -> tuple[SpeculativeEngine, SpeculativeEngine]:
+    target = make_tiny_model(seed=0).to("cuda", dtype)
+    draft = perturbed_copy(make_tiny_model(seed=0), seed=2, noise=0.5).to("cuda", dtype)
+    vocab = target.config.vocab_size
+    drafter = DraftModelDrafter(ModelRunner(draft), target_vocab_size=vocab,
+                                tokenizer_vocab_size=vocab)
+    # bf16: float32-exact top logits, as the presets run it, so near-ties cannot flip argmaxes
+    return (SpeculativeEngine(ModelRunner(target, logits_fp32=True), None, decode, set()),
+            SpeculativeEngine(ModelRunner(target, logits_fp32=True), drafter, decode, set()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_equal_on_cuda(dtype: torch.dtype) -> None:
+    plain, spec = engines(dtype)
+    request = GenerationRequest(PROMPT, max_new_tokens=40, num_speculative_tokens=4,
+                                adaptive=False)
+    assert collect(spec, request)[0] == collect(plain, request)[0]
+
+
+def test_sampling_on_cuda_is_seeded() -> None:
+    _, spec = engines(torch.float32)
+    request = GenerationRequest(PROMPT, max_new_tokens=30, num_speculative_tokens=4,
+                                sampling=SamplingParams(temperature=1.0), seed=7)
+    first, events = collect(spec, request)
+    assert len(first) == 30 and any(e.drafted for e in events)
+    assert collect(spec, request)[0] == first
