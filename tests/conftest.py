@@ -161,3 +161,13 @@ def collect(engine: SpeculativeEngine, request: GenerationRequest,
     stream = engine.generate(request) if cancelled is None else engine.generate(request, cancelled)
     events = list(stream)
     return [t for e in events for t in e.tokens], events
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    """A real one-layer Qwen2 GGUF file (transformers converts it in a fraction of a second)."""
+    from model_files import write_tiny_gguf
+
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    write_tiny_gguf(path)
+    return path.read_bytes()

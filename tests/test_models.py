@@ -14,7 +14,7 @@ import huggingface_hub.constants
 import pytest
 import torch
 from conftest import TOKENIZER_VOCAB, train_tokenizer
-from test_cache import (
+from model_files import (
     damage,
     first_load,
     patch_find_spec,
@@ -182,13 +182,6 @@ def test_missing_builtin_package_says_pip_install(name: str,
 
 
 # ----------------------------------------------------------------------------- damaged files
-
-
-@pytest.fixture(scope="session")
-def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> bytes:
-    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
-    write_tiny_gguf(path)
-    return path.read_bytes()
 
 
 @pytest.fixture(scope="session")
