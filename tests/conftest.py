@@ -171,3 +171,59 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> bytes:
     path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
     write_tiny_gguf(path)
     return path.read_bytes()
+
+
+# ----------------------------------------------------------------------------- tiny presets
+
+# A minimal chat template that, like real ones, refuses roles it does not know.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
+    "<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+PRESET = """\
+name = "tiny-cli"
+description = "tiny random models"
+hardware = "cpu"
+target = {{ model = "{target}", dtype = "float32", device = "cpu" }}
+speculative_config = {{ method = "{method}", num_speculative_tokens = 3{draft} }}
+sampling = {{ max_new_tokens = 8 }}
+localspec = {{ draft_dtype = "float32", draft_confidence_threshold = 0.0 }}
+"""
+
+
+@pytest.fixture(scope="session")
+def tiny_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A target and a close draft sharing a byte-level tokenizer with a chat template."""
+    root = tmp_path_factory.mktemp("cli-models")
+    tokenizer = train_tokenizer(TOKENIZER_TEXTS)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    target = make_tiny_model(seed=0, vocab_size=300)
+    folders = {}
+    for name, model in (("target", target), ("draft", perturbed_copy(target, seed=4, noise=0.3))):
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+        folders[name] = root / name
+    return folders
+
+
+def write_preset(folder: Path, target: Path, draft: Path | None = None) -> str:
+    """A preset file for ``target`` (draft_model with ``draft``, else ngram); its path."""
+    path = folder / ("tiny-draft.toml" if draft else "tiny-ngram.toml")
+    path.write_text(PRESET.format(target=target, method="draft_model" if draft else "ngram",
+                                  draft=f', model = "{draft}"' if draft else ""),
+                    encoding="utf-8")
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def presets(tiny_folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory,
+            saved_model_dir: Path) -> dict[str, str]:
+    folder = tmp_path_factory.mktemp("cli-presets")
+    plain = folder / "plain"
+    plain.mkdir()
+    return {"draft": write_preset(folder, tiny_folders["target"], tiny_folders["draft"]),
+            "ngram": write_preset(folder, tiny_folders["target"]),
+            "no-template": write_preset(plain, saved_model_dir)}

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 from scipy.stats import chisquare
-from test_cli import presets, tiny_folders  # noqa: F401  (fixtures)
 
 import localspec.cli.check as check_module
 import localspec.engine.verify as verify_module
@@ -95,7 +94,7 @@ def test_negative_control_wrong_residual_fails_the_check(monkeypatch: pytest.Mon
 
 
 @pytest.fixture(scope="module")
-def pipe(presets: dict[str, str]) -> Pipeline:  # noqa: F811
+def pipe(presets: dict[str, str]) -> Pipeline:
     return Pipeline.load(load_preset(presets["draft"]))
 
 
@@ -135,7 +134,7 @@ def test_run_checks_passes_and_its_negative_control_fails(
 
 def test_verify_command_fails_with_a_wrong_sampler(
         capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
-        presets: dict[str, str], tmp_path: Path) -> None:  # noqa: F811
+        presets: dict[str, str], tmp_path: Path) -> None:
     path = tmp_path / "prompts.jsonl"
     path.write_text('{"prompt": "def add(a, b):"}\n{"prompt": "hello world"}\n',
                     encoding="utf-8")
