@@ -14,20 +14,20 @@ from conftest import PADDED_VOCAB, VOCAB, collect, decode, make_tiny_model, pert
 from transformers import PreTrainedModel
 
 import localspec.engine.verify as verify_module
+from localspec.config import MAX_SPECULATIVE_TOKENS
 from localspec.drafters.base import Drafter
 from localspec.drafters.draft_model import DraftModelDrafter
 from localspec.drafters.lookup_first import LookupFirstDrafter
 from localspec.drafters.ngram import NgramDrafter
-from localspec.config import MAX_SPECULATIVE_TOKENS
 from localspec.engine.engine import (
     GenerationError,
     GenerationRequest,
     SpeculativeEngine,
     StepEvent,
 )
-from localspec.runtime.runner import ModelRunner
 from localspec.engine.stats import GenerationStats
 from localspec.engine.verify import SamplingParams
+from localspec.runtime.runner import ModelRunner
 
 PROMPTS = {
     "random-a": [5, 17, 33, 2, 80, 41, 9],

@@ -61,7 +61,8 @@ def test_ngram_copies_code_on_real_model(qwen_pair: Pipeline) -> None:
     code = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n"
     ids = qwen_pair.encode_prompt(f"Repeat this code exactly, in a code block:\n\n{code}")
     plain = qwen_pair.run(qwen_pair.request(ids, max_new_tokens=40), "none")
-    ngram = qwen_pair.run(qwen_pair.request(ids, max_new_tokens=40), "ngram")
+    # fixed k: adaptive k's choices follow measured times, which a busy machine makes noisy
+    ngram = qwen_pair.run(qwen_pair.request(ids, max_new_tokens=40, adaptive=False), "ngram")
     assert ngram.token_ids == plain.token_ids
     assert ngram.stats.mean_accepted_length > 2.0
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 
 from localspec.drafters.base import Proposal
-from localspec.runtime.runner import ModelRunner
 from localspec.engine.verify import SamplingParams, logits_to_probs, sample
+from localspec.runtime.runner import ModelRunner
 
 
 def frequent_token_rows(tokenizer: object, count: int, vocab_size: int) -> torch.Tensor | None:

@@ -15,7 +15,7 @@ when long drafts pay. We estimate
     (a forward pass over 1 to 16 tokens costs nearly the same on a CPU: b is small),
 and choose the k in [0, k_max] with the best E[tokens] / cost. k = 0 is plain decoding, which
 wins when the drafter keeps missing: then drafting stops, so speculation is never slower than
-plain decoding by more than the probes. A probe (one step with one draft) follows a run of plain
+plain decoding by more than the probes. A probe follows a run of plain
 steps whose length doubles after each failed probe (8, 16, ... up to 128 steps), so acceptance
 can recover when the text changes (a long quote, a repeated block) at a cost of at most one
 draft per 8 steps. This replaces a fixed "+2 on success, -1 on failure" rule.
@@ -25,9 +25,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
 FIRST_PROBE_INTERVAL = 8  # plain steps before drafting is tried again
 MAX_PROBE_INTERVAL = 128
+PROBE_BUDGET = 0.5  # a probe's drafts cost at most this share of a verify pass
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -140,4 +140,12 @@ class AdaptiveK:
             return 0
         self._plain_steps = 0
         self._probe_interval = min(2 * self._probe_interval, MAX_PROBE_INTERVAL)
-        return 1
+        return self._probe_k()
+
+    def _probe_k(self) -> int:
+        """As many drafts as cost at most half a verify pass: one for a draft model that costs
+        a sizeable part of the target, the full k for lookup, which costs next to nothing."""
+        c_draft, c_verify = self.draft_cost() or 0.0, self.verify_cost(1) or 0.0
+        if c_draft <= 0.0:
+            return self.k_max
+        return max(1, min(self.k_max, int(PROBE_BUDGET * c_verify / c_draft)))
