@@ -61,6 +61,8 @@ MAX_TOP_K = 1_000_000
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
 MAX_NUM_SAMPLES = 1000
 MAX_BENCH_REPEATS = 100
+# The span of the app's sliders: the useful range, inside the limits above.
+SLIDER_MAX = {"temperature": 2.0, "top_k": 200, "max_new_tokens": 8192}
 
 SpecTokens = Annotated[int, Field(ge=1, le=MAX_SPECULATIVE_TOKENS)]
 LookupN = Annotated[int, Field(ge=1, le=MAX_LOOKUP_NGRAM)]

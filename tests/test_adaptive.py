@@ -84,6 +84,18 @@ def test_no_acceptance_expensive_drafts_stop_drafting_with_sparse_probes() -> No
     assert run(9, 0.0, 0.02) == [0] * 8 + [1]
 
 
+@pytest.mark.parametrize(("draft_time", "probe_k"), [(0.02, 1), (0.004, 2), (0.0, 8)])
+def test_probe_drafts_cost_at_most_half_a_verify_pass(draft_time: float, probe_k: int) -> None:
+    """A probe after plain steps drafts what costs half a verify pass (0.02 s here): one token
+    of a costly draft model, the full k of free n-gram lookup."""
+    controller = AdaptiveK(k_max=8)
+    for _ in range(30):  # rejected, and the verify pass grows steeply with width: k = 0 wins
+        controller.update(drafted=4, accepted=0, draft_time=4 * draft_time, verify_time=0.1)
+        controller.update(drafted=0, accepted=0, draft_time=0.0, verify_time=0.02)
+    choices = [controller.choose() for _ in range(9)]
+    assert choices == [0] * 8 + [probe_k]
+
+
 def test_alpha_prior_and_estimate() -> None:
     """alpha starts at the prior and moves to accepted / (accepted + rejections)."""
     controller = AdaptiveK(k_max=4)

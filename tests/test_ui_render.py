@@ -1,15 +1,24 @@
 """The app's pure renderers on canned StepEvents: colours by origin, rejected drafts in place,
-hover text, escaping and whitespace, UTF-8 split over tokens, the live readout, the race verdict.
+hover text, escaping and whitespace, UTF-8 split over tokens, the live readout, the race verdict;
+the conversation view (escaped, inert, exact text), the preset panels, the streaming loop.
 No Gradio, no model."""
 
 from __future__ import annotations
 
+import random
 import re
+from collections.abc import Iterator
+from html.parser import HTMLParser
 
 import pytest
 from conftest import TOKENIZER_TEXTS, train_tokenizer
 
+from localspec.config import parse_preset
 from localspec.engine.engine import StepEvent
+from localspec.errors import ModelLoadError
+from localspec.models.hardware import PresetSummary
+from localspec.ui.chat_view import chat_html, code_segments, notice_html, text_html
+from localspec.ui.preset_view import preset_info_html, presets_html
 from localspec.ui.render import (
     KINDS,
     LiveStats,
@@ -23,8 +32,10 @@ from localspec.ui.render import (
     spans_html,
     stats_html,
     status_html,
+    summary_html,
     summary_line,
 )
+from localspec.ui.streaming import FAILED_MID_ANSWER, Answer, follow
 
 # A byte-level toy vocabulary: ids 10 and 11 split the euro sign's three UTF-8 bytes.
 VOCAB = {1: b"def", 2: b" add", 3: b"(a", 4: b", b", 5: b"):", 6: b"\n    ", 7: b"<b>&",
@@ -184,3 +195,180 @@ def test_status_line() -> None:
     failed = status_html("CPU · A", "a", None, "", 1.0, "could not load preset 'b': boom")
     assert 'class="ls-error"' in failed and "Active preset" in failed and "CPU · A" in failed
     assert "No model loaded" in status_html(None, None, None, "", 0.0, "bad")
+
+
+# ----------------------------------------------------------------------------- escaping
+
+INJECTIONS = [
+    '<img src="http://127.0.0.1:9/leak">',
+    "![x](http://127.0.0.1:9/leak) <b>bold</b> &amp; &lt;b&gt;",
+    "\"' onmouseover=alert(1) x='",
+    "<script>alert(1)</script><style>body{background:url(http://e/x)}</style>",
+    "</div></span><iframe src=//e></iframe><!-- ${1+1} {{x}}",
+    "```html\n<img src=x onerror=alert(1)>\n```\n    indented\tand tabbed\r\n",
+]
+SAFE_ATTRIBUTES = {"class", "title", "type", "data-label", "data-ls-copy", "max", "value"}
+SAFE_TAGS = {"div", "span", "b", "code", "button", "progress", "table", "tr", "td", "h3", "br",
+             "p", "ul", "li"}
+
+
+class _Page(HTMLParser):
+    """Every tag and attribute of an HTML fragment, and its text (entities decoded)."""
+
+    def __init__(self, page: str) -> None:
+        super().__init__(convert_charrefs=True)
+        self.tags: list[tuple[str, list[tuple[str, str | None]]]] = []
+        self.text: list[str] = []
+        self.feed(page)
+        self.close()
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.tags.append((tag, attrs))
+
+    def handle_data(self, data: str) -> None:
+        self.text.append(data)
+
+    def handle_comment(self, data: str) -> None:
+        raise AssertionError(f"a comment in the page: {data!r}")
+
+
+def assert_inert(page: str) -> _Page:
+    """Only the renderer's own tags and attributes: nothing that could load or run anything."""
+    parsed = _Page(page)
+    for tag, attrs in parsed.tags:
+        assert tag in SAFE_TAGS, (tag, page)
+        for name, value in attrs:
+            numeric_style = name == "style" and re.fullmatch(r"height:\d+(%|px)", value or "")
+            assert name in SAFE_ATTRIBUTES or numeric_style, (tag, name, value)
+    return parsed
+
+
+@pytest.mark.parametrize("evil", INJECTIONS)
+def test_token_view_escapes_model_text(evil: str) -> None:
+    spans = [TokenSpan(evil, kind, 1, 7, 0.5, 0.5) for kind in KINDS]
+    page = assert_inert(spans_html(spans))
+    shown = "".join(page.text)
+    assert shown == "".join(evil.replace("\n", "↵") if k == "rejected" else evil for k in KINDS)
+    titles = [dict(attrs)["title"] for tag, attrs in page.tags if tag == "span"]
+    assert all(repr(evil) in title for title in titles)  # hover text survives, as text
+
+
+@pytest.mark.parametrize("evil", INJECTIONS)
+def test_readout_race_and_status_escape_names_and_errors(evil: str) -> None:
+    clock = FakeClock()
+    live = LiveStats(evil, clock=clock)
+    live.add(event(1, (1, 2), 1, 3, finish="eos"))
+    assert evil in "".join(assert_inert(stats_html(live)).text)
+    side = RaceSide(evil, (TokenSpan(evil, "target", 1, 1),), live, (1,), True)
+    race = assert_inert(race_html(side, side, greedy=False))
+    assert "".join(race.text).count(evil) >= 3  # two titles and two answers, as text
+    status = status_html(evil, evil, evil, evil, float("nan"), evil)
+    assert "".join(assert_inert(status).text).count(evil) == 5
+    assert evil in "".join(assert_inert(summary_html(live)).text)
+
+
+# ----------------------------------------------------------------------------- the chat
+
+
+def _fuzz_texts(count: int) -> list[str]:
+    alphabet = ["<", ">", "&", '"', "'", "`", "~", "!", "[", "]", "(", ")", "\n", "\r\n", " ",
+                "    ", "\t", "b", "img", "amp;", "#", "$", "{", "}", "é", "€", "```", "~~~"]
+    rng = random.Random(0)
+    return ["".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 40)))
+            for _ in range(count)]
+
+
+@pytest.mark.parametrize("text", INJECTIONS + _fuzz_texts(300))
+def test_message_text_is_shown_exactly_and_never_interpreted(text: str) -> None:
+    """The text of a message as the page shows it (and the copy button copies, textContent)
+    is exactly what was said; no tag but the renderer's own."""
+    page = assert_inert(text_html(text))
+    assert "".join(page.text) == text
+    assert {tag for tag, _ in page.tags} <= {"code", "span"}
+    assert "".join(piece for piece, _ in code_segments(text)) == text
+
+
+def test_code_blocks_are_set_off_with_their_fences() -> None:
+    text = "Here:\n```python\ndef f(x):\n    return x < 1\n```\nThat's it.\n~~~\nopen"
+    assert [is_code for _, is_code in code_segments(text)] == [False, True, False, True]
+    page = text_html(text)
+    assert page.count('<code class="ls-code">') == 2
+    assert "    return x &lt; 1\n" in page  # indentation and the comparison kept, escaped
+    assert '<span class="ls-fence">```python\n</span>' in page
+    # A shorter fence, or another fence character, does not close a block.
+    segments = code_segments("````\na\n```\n~~~~\nb\n````\nafter")
+    assert [is_code for _, is_code in segments] == [True, False]
+    assert segments[0][0].endswith("````\n")
+
+
+def test_chat_html_escapes_messages_and_roles() -> None:
+    history = [{"role": "user", "content": "<b>bold</b>\n    indented"},
+               {"role": "assistant", "content": "![x](http://127.0.0.1:9/leak)"},
+               {"role": '"><img src=x>', "content": "odd role"}]
+    page = chat_html(history)
+    parsed = assert_inert(page)
+    assert "&lt;b&gt;bold&lt;/b&gt;\n    indented" in page
+    assert 'class="ls-msg ls-other" data-label="Other"' in page
+    assert sum(1 for tag, attrs in parsed.tags
+               if ("data-ls-copy", "one") in attrs) == 3  # one copy button per message
+    assert ("data-ls-copy", "all") in [a for _, attrs in parsed.tags for a in attrs]
+    assert "No messages yet" in chat_html([]) and "is answering" in chat_html([], pending=True)
+    assert "is answering" not in page
+
+
+def test_notice_escapes_error_messages() -> None:
+    page = notice_html("⚠ could not load preset '<img src=x>': ![a](http://e/)")
+    assert 'class="ls-notice ls-error"' in page and "&lt;img src=x&gt;" in page
+    assert_inert(page)
+    assert notice_html("") == "" and "ls-info" in notice_html("Stopped.")
+
+
+def test_preset_panels_escape_the_users_preset_file() -> None:
+    evil = '<img src="http://127.0.0.1:9/leak">'
+    preset = parse_preset({"name": evil, "description": f"![x](http://e/) {evil}",
+                           "hardware": "cpu", "target": {"model": evil}})
+    page = assert_inert(preset_info_html(preset))
+    assert "".join(page.text).count(evil) == 3
+    assert preset_info_html(None) == ""
+    row = PresetSummary(key=evil, preset=None, error=evil, estimate=None, fits=False, reason="")
+    listing = assert_inert(presets_html([row], evil))
+    assert "".join(listing.text).count(evil) == 3
+
+
+# ----------------------------------------------------------------------------- streaming
+
+
+def test_follow_throttles_and_always_ends_with_the_whole_answer() -> None:
+    clock = FakeClock()
+    steps = [event(i, (), 0, 12, "bonus") for i in range(1, 6)]
+    steps.append(event(6, (), 0, 12, "bonus", finish="length"))
+
+    def timed() -> Iterator[StepEvent]:
+        for e in steps:
+            clock.now += 0.03
+            yield e
+
+    answer = Answer(LiveStats("none", clock=clock), TokenTexts(toy_decode))
+    seen = [(a.text, a.done) for a in follow(timed(), answer, clock, min_interval=0.1)]
+    assert seen[-1] == ("x" * 6, True) and seen[-2] == ("x" * 6, False)
+    assert seen[0] == ("x", False) and len(seen) < len(steps)  # throttled, first step shown
+    assert answer.error == "" and not answer.stopped
+
+
+def _failing(after: int, error: Exception) -> Iterator[StepEvent]:
+    for i in range(after):
+        yield event(i + 1, (), 0, 12, "bonus")
+    raise error
+
+
+def test_follow_keeps_the_partial_answer_on_a_failure(caplog: pytest.LogCaptureFixture) -> None:
+    answer = Answer(LiveStats("none", clock=FakeClock()), TokenTexts(toy_decode))
+    last = list(follow(_failing(2, RuntimeError("boom")), answer, FakeClock(), 0.0))[-1]
+    assert last.done and last.text == "xx" and last.error == FAILED_MID_ANSWER
+    assert "boom" not in last.error
+    assert any(r.exc_info and r.levelname == "ERROR" for r in caplog.records)  # traceback
+    caplog.clear()
+    answer = Answer(LiveStats("none", clock=FakeClock()), TokenTexts(toy_decode))
+    last = list(follow(_failing(1, ModelLoadError("disk gone")), answer, FakeClock(), 0.0))[-1]
+    assert last.error == "⚠ disk gone" and last.text == "x"
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]  # expected: no traceback

@@ -3,8 +3,10 @@
 A preset switch loads the new models while the old ones stay active; only when the new ones are
 ready does the swap happen, so a failure (bad file, missing model, foreign tokenizer, out of
 memory) leaves the previous preset in place with the reason recorded. A target (or draft) whose
-spec is unchanged is reused instead of reloaded. Generation is serialised by one lock, and each
-browser session has a cancel flag that its Stop button sets.
+spec is unchanged is reused instead of reloaded; the warm-up and the swap wait for a running
+generation (the new pipeline may share its models). Generation is serialised by one lock, and
+each generation has a cancel flag, grouped by a key (a browser session and tab) that its Stop
+button sets.
 
 Nothing here renders or knows Gradio.
 """
@@ -16,6 +18,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from localspec.errors import LocalSpecError
 from localspec.models.cache import Progress
 from localspec.pipeline import Pipeline
 from localspec.presets import Preset, load_preset
@@ -65,8 +68,9 @@ class ModelHost:
         self._fraction = 0.0
         self._error: str | None = None
         self._waiting = 0
-        self._cancel: dict[str, threading.Event] = {}
-        self._ready = threading.Condition(self._state_lock)
+        self._cancel: dict[str, set[threading.Event]] = {}
+        self._ready = threading.Condition(self._state_lock)  # a load ended
+        self._ended = threading.Condition(self._state_lock)  # a generation ended
 
     # ------------------------------------------------------------------ loading
 
@@ -92,23 +96,32 @@ class ModelHost:
                 return False
             self._loading, self._message, self._fraction = key, "reading preset", 0.0
         try:
-            preset = load_preset(key)
-            pipeline = self._loader(preset, self._pipeline, self._progress)
-            if self._warm_up:
-                self._progress("warming up (a first short answer)", 1.0)
-                warm_up(pipeline)
-        except Exception as exc:  # any load failure is reported, never fatal to the app
+            pipeline = self._loader(load_preset(key), self._pipeline, self._progress)
+            # The warm-up and the swap wait for a running generation: the new pipeline may
+            # share the old one's models, which must not run two passes at once.
+            with self.generation_lock:
+                if self._warm_up:
+                    self._progress("warming up (a first short answer)", 1.0)
+                    warm_up(pipeline)
+                with self._state_lock:
+                    self._pipeline, self._active, self._error = pipeline, key, None
+        except LocalSpecError as exc:  # a bad file, a missing model, a foreign tokenizer ...
             logger.warning("loading preset %s failed: %s", key, exc)
+            self._failed(f"could not load preset '{key}': {exc}")
+            return False
+        except Exception as exc:  # out of memory, a bug: never fatal to the app, but logged
+            logger.exception("loading preset %s failed", key)
+            self._failed(f"could not load preset '{key}': {type(exc).__name__}: {exc}")
+            return False
+        finally:
             with self._state_lock:
-                self._error = f"could not load preset '{key}': {exc}"
                 self._loading = None
                 self._ready.notify_all()
-            return False
-        with self.generation_lock, self._state_lock:  # never swap under a running generation
-            self._pipeline, self._active, self._error = pipeline, key, None
-            self._loading = None
-            self._ready.notify_all()
         return True
+
+    def _failed(self, error: str) -> None:
+        with self._state_lock:
+            self._error = error
 
     def load_async(self, key: str) -> threading.Thread:
         thread = threading.Thread(target=self.load, args=(key,), name=f"load-{key}", daemon=True)
@@ -126,25 +139,33 @@ class ModelHost:
     # ------------------------------------------------------------------ sessions
 
     def begin(self, session: str) -> threading.Event:
-        """A fresh cancel flag for ``session``'s generation."""
+        """A fresh cancel flag for one of ``session``'s generations (a tab may run a chat and
+        a race at once; its Stop stops both)."""
         event = threading.Event()
         with self._state_lock:
-            self._cancel[session] = event
+            self._cancel.setdefault(session, set()).add(event)
         return event
 
     def end(self, session: str, event: threading.Event) -> None:
         with self._state_lock:
-            if self._cancel.get(session) is event:
-                del self._cancel[session]
+            events = self._cancel.get(session, set())
+            events.discard(event)
+            if not events:
+                self._cancel.pop(session, None)
+            self._ended.notify_all()
+
+    def wait_ended(self, session: str, timeout: float) -> bool:
+        """Block up to ``timeout`` s until ``session`` has no generation; True if none has."""
+        with self._state_lock:
+            return self._ended.wait_for(lambda: session not in self._cancel, timeout)
 
     def cancel(self, session: str) -> bool:
-        """Set ``session``'s cancel flag; False if it has no generation running or waiting."""
+        """Set the cancel flags of ``session``'s generations; False if none runs or waits."""
         with self._state_lock:
-            event = self._cancel.get(session)
-        if event is None:
-            return False
-        event.set()
-        return True
+            events = list(self._cancel.get(session, ()))
+        for event in events:
+            event.set()
+        return bool(events)
 
     def acquire(self, cancelled: threading.Event, timeout: float) -> bool | None:
         """Try to take the generation lock for up to ``timeout`` s. None if cancelled meanwhile."""

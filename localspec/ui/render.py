@@ -17,6 +17,7 @@ which step and probabilities they had). The copyable plain text is the engine's 
 from __future__ import annotations
 
 import html
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -243,6 +244,11 @@ def stats_html(live: LiveStats) -> str:
     return f'<div class="ls-stats"><table>{table}</table>{acceptance_chart_html(s)}</div>'
 
 
+def summary_html(live: LiveStats) -> str:
+    """The summary line as escaped HTML (it names the method and how the answer ended)."""
+    return f'<div class="ls-summary">{html.escape(summary_line(live))}</div>'
+
+
 def summary_line(live: LiveStats) -> str:
     """One line after an answer."""
     s = live.stats
@@ -297,6 +303,7 @@ def status_html(active_title: str | None, active_key: str | None, loading: str |
                 message: str, fraction: float, error: str | None) -> str:
     """The status line: loading progress, the active preset, the last load error."""
     parts = []
+    fraction = min(max(fraction, 0.0), 1.0) if math.isfinite(fraction) else 0.0
     if loading is not None:
         parts.append(f'<div class="ls-loading">⏳ Loading preset <b>{html.escape(loading)}</b>: '
                      f"{html.escape(message)} ({fraction:.0%}) "

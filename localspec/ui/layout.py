@@ -1,0 +1,246 @@
+"""The page: a ``gr.Blocks`` laid out over a ``ChatApp``'s handlers.
+
+Layout only: which component goes where, and which event calls which handler. The controls'
+ranges and starting values come from ``localspec.config``'s request schema (the single source of
+the limits the pipeline enforces), never from literals here. Each event takes its inputs as a
+set, so Gradio hands the handler one dict (component -> value) instead of a row of positional
+values; ``Controls.settings`` turns the side panel's part of it into the one ``Settings``, so no
+handler takes nine loose parameters.
+
+The controls do not clamp or cast: a value the pipeline refuses (NaN, a seed beyond 64 bits)
+reaches ``Pipeline.request``, whose message the user reads under the chat.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import annotated_types
+import gradio as gr
+
+from localspec.config import SLIDER_MAX, RequestSettings
+from localspec.ui.chat_view import CHAT_JS, chat_html
+from localspec.ui.handlers import ChatApp
+from localspec.ui.render import legend_html, spans_html
+from localspec.ui.views import ChatView, RaceView, Settings, SwitchView
+
+METHOD_CHOICES = [("preset's method", "preset"), ("none (plain decoding)", "none"),
+                  ("draft model", "draft_model"), ("n-gram lookup", "ngram")]
+SLIDERS = {  # control -> (request setting, step, label)
+    "temperature": ("temperature", 0.05, "temperature (0 = greedy)"),
+    "top_p": ("top_p", 0.05, "top-p"),
+    "top_k": ("top_k", 1, "top-k (0 = off)"),
+    "max_new_tokens": ("max_new_tokens", 1, "max new tokens"),
+    "k": ("num_speculative_tokens", 1, "k: most draft tokens per step"),
+}
+
+
+def setting_range(name: str, step: float) -> tuple[float, float]:
+    """(lowest, highest) value of request setting ``name`` that the config's schema accepts,
+    capped at the config's SLIDER_MAX (temperature 100 is valid but no use on a slider); an
+    open lower bound (top-p > 0) starts one ``step`` above it."""
+    low, high = 0.0, float("inf")
+    for bound in RequestSettings.model_fields[name].metadata:
+        if isinstance(bound, annotated_types.Ge):
+            low = bound.ge
+        elif isinstance(bound, annotated_types.Gt):
+            low = bound.gt + step
+        elif isinstance(bound, annotated_types.Le):
+            high = bound.le
+    return low, min(high, SLIDER_MAX.get(name, high))
+
+
+def session_of(request: gr.Request | None) -> str:
+    """The browser session a request comes from (its Stop button cancels only its own)."""
+    return getattr(request, "session_hash", None) or "local"
+
+
+@dataclass
+class Controls:
+    """The side panel's components; the one adapter from their values to a ``Settings``."""
+
+    system: gr.Textbox
+    method: gr.Radio
+    temperature: gr.Slider
+    top_p: gr.Slider
+    top_k: gr.Slider
+    max_new_tokens: gr.Slider
+    k: gr.Slider
+    seed: gr.Number
+    show_rejected: gr.Checkbox
+
+    def components(self) -> dict[str, gr.components.Component]:
+        return {name: getattr(self, name) for name in Settings.__dataclass_fields__}
+
+    def settings(self, values: dict[Any, Any]) -> Settings:
+        """``values``: what Gradio passes for a set of inputs (component -> value)."""
+        return Settings(**{name: values[c] for name, c in self.components().items()})
+
+
+def _controls() -> Controls:
+    """The side panel's controls, ranged and set from the config's request schema."""
+    defaults = RequestSettings()
+    with gr.Accordion("Method and sampling", open=True):
+        method = gr.Radio(METHOD_CHOICES, value="preset", label="Method", elem_id="ls-method")
+        sliders = {}
+        for control, (setting, step, label) in SLIDERS.items():
+            low, high = setting_range(setting, step)
+            sliders[control] = gr.Slider(low, high, value=getattr(defaults, setting), step=step,
+                                         label=label, elem_id=f"ls-{control}")
+        # precision=None: the value is handed on as typed, for the pipeline to judge (Gradio's
+        # own rounding would turn NaN into a traceback).
+        seed = gr.Number(defaults.seed, precision=None, label="seed", elem_id="ls-seed")
+        show_rejected = gr.Checkbox(True, label="show rejected drafts")
+    system = gr.Textbox("", label="System prompt", lines=2, elem_id="ls-system")
+    return Controls(system=system, method=method, seed=seed, show_rejected=show_rejected,
+                    **sliders)
+
+
+@dataclass
+class ChatTab:
+    """The chat column's components (and the readout beside it), for wiring."""
+
+    history: gr.State
+    chat: gr.HTML
+    message: gr.Textbox
+    send: gr.Button
+    stop: gr.Button
+    regenerate: gr.Button
+    clear: gr.Button
+    notice: gr.HTML
+    tokens: gr.HTML
+    summary: gr.HTML
+    spans: gr.State
+    stats: gr.HTML | None = None
+
+    def outputs(self) -> list[gr.components.Component]:
+        return [getattr(self, name) for name in ChatView._fields]
+
+
+def _chat_column() -> ChatTab:
+    chat = gr.HTML(chat_html([]), elem_id="ls-chat", js_on_load=CHAT_JS)
+    with gr.Row():
+        # lines=1 with max_lines > 1: Gradio 6.31 sends on Enter only when lines == 1 (with
+        # lines > 1 it sends on Shift+Enter instead); the box still grows to max_lines, and
+        # Shift+Enter starts a new line.
+        message = gr.Textbox(placeholder="Ask something… (Enter sends, Shift+Enter: new line)",
+                             show_label=False, scale=5, lines=1, max_lines=12,
+                             elem_id="ls-message")
+        send = gr.Button("Send", variant="primary", scale=1, elem_id="ls-send")
+    with gr.Row():
+        stop = gr.Button("Stop", variant="stop", elem_id="ls-stop")
+        regenerate = gr.Button("Regenerate", elem_id="ls-regenerate")
+        clear = gr.Button("Clear", elem_id="ls-clear")
+    notice = gr.HTML("", elem_id="ls-notice", js_on_load=None)
+    gr.Markdown("**The last answer, token by token** (hover a token: step, p under the "
+                "target, q under the drafter)")
+    gr.HTML(legend_html(), js_on_load=None)
+    tokens = gr.HTML(spans_html([]), elem_id="ls-tokens", js_on_load=None)
+    summary = gr.HTML("", elem_id="ls-summary", js_on_load=None)
+    return ChatTab(gr.State([]), chat, message, send, stop, regenerate, clear, notice, tokens,
+                   summary, gr.State([]))
+
+
+@dataclass
+class PresetPanel:
+    """The preset picker, the path box and the active preset's description."""
+
+    preset: gr.Dropdown
+    path: gr.Textbox
+    load: gr.Button
+    info: gr.HTML
+
+
+def _preset_panel(app: ChatApp) -> PresetPanel:
+    with gr.Accordion("Preset", open=True):
+        choices = app.preset_choices()
+        listed = {value for _, value in choices}
+        preset = gr.Dropdown(choices, label="Preset", elem_id="ls-preset",
+                             value=app.default_preset if app.default_preset in listed else None)
+        with gr.Row():
+            path = gr.Textbox(label="…or a preset file path", scale=4, elem_id="ls-preset-path")
+            load = gr.Button("Load", scale=1, elem_id="ls-load-path")
+        info = gr.HTML("", elem_id="ls-preset-info", js_on_load=None)
+        with gr.Accordion("All presets and what fits", open=False):
+            gr.HTML(app.presets_html(), js_on_load=None)
+    return PresetPanel(preset, path, load, info)
+
+
+def build(app: ChatApp) -> gr.Blocks:
+    """The page. Launch it with ``css=APP_CSS`` (``localspec.ui.app``)."""
+    with gr.Blocks(title="LocalSpec", analytics_enabled=False) as demo:
+        gr.Markdown("# LocalSpec: speculative decoding you can watch\n"
+                    "Green tokens were guessed by the drafter and accepted by the target; "
+                    "the output is exactly what the target alone would say.")
+        status = gr.HTML(app.status(), elem_id="ls-status", js_on_load=None)
+        with gr.Tabs():
+            with gr.Tab("Chat"), gr.Row():
+                with gr.Column(scale=3):
+                    tab = _chat_column()
+                with gr.Column(scale=2):
+                    tab.stats = gr.HTML("", elem_id="ls-stats", js_on_load=None)
+                    panel = _preset_panel(app)
+                    controls = _controls()
+            with gr.Tab("Race"):
+                gr.Markdown("The same prompt through plain decoding and through the chosen "
+                            "speculative method, one after the other on this machine.")
+                race_prompt = gr.Textbox(label="Prompt", lines=3, elem_id="ls-race-prompt")
+                with gr.Row():
+                    race_go = gr.Button("Race", variant="primary", elem_id="ls-race-go")
+                    race_stop = gr.Button("Stop", variant="stop", elem_id="ls-race-stop")
+                race_notice = gr.HTML("", elem_id="ls-race-notice", js_on_load=None)
+                race_out = gr.HTML("", elem_id="ls-race", js_on_load=None)
+        switch_outputs = [status, panel.preset, panel.info, controls.method,
+                          *(getattr(controls, name) for name in SwitchView._fields[4:])]
+        _wire_chat(app, tab, controls)
+        _wire_race(app, race_prompt, race_go, race_stop, [race_out, race_notice], controls)
+        for trigger, source in ((panel.preset.input, panel.preset),
+                                (panel.load.click, panel.path)):
+            trigger(app.switch_preset, source, switch_outputs, concurrency_limit=1,
+                    concurrency_id="switch", show_progress="hidden")
+        gr.Timer(1.0).tick(app.status, None, status, show_progress="hidden", queue=False)
+        demo.load(app.initial_controls, None, switch_outputs, queue=False)
+    return demo
+
+
+def _wire_chat(app: ChatApp, tab: ChatTab, controls: Controls) -> None:
+    inputs = {tab.message, tab.history, *controls.components().values()}
+
+    def send(values: dict[Any, Any], request: gr.Request) -> Iterator[ChatView]:
+        yield from app.chat(values[tab.message], values[tab.history],
+                            controls.settings(values), session_of(request))
+
+    def regenerate(values: dict[Any, Any], request: gr.Request) -> Iterator[ChatView]:
+        yield from app.regenerate(values[tab.history], controls.settings(values),
+                                  session_of(request))
+
+    def stop(request: gr.Request) -> str:
+        return app.stop(session_of(request), "chat")
+
+    def clear(request: gr.Request) -> ChatView:
+        return app.clear(session_of(request))
+
+    for trigger in (tab.send.click, tab.message.submit):
+        trigger(send, inputs, tab.outputs(), concurrency_limit=None, show_progress="hidden")
+    tab.regenerate.click(regenerate, inputs, tab.outputs(), concurrency_limit=None,
+                         show_progress="hidden")
+    tab.stop.click(stop, None, tab.notice, queue=False)
+    tab.clear.click(clear, None, tab.outputs(), queue=False)
+    controls.show_rejected.change(app.rerender, [tab.spans, controls.show_rejected],
+                                  tab.tokens, queue=False)
+
+
+def _wire_race(app: ChatApp, prompt: gr.Textbox, go: gr.Button, stop_button: gr.Button,
+               outputs: list[gr.components.Component], controls: Controls) -> None:
+    inputs = {prompt, *controls.components().values()}
+
+    def race(values: dict[Any, Any], request: gr.Request) -> Iterator[RaceView]:
+        yield from app.race(values[prompt], controls.settings(values), session_of(request))
+
+    def stop(request: gr.Request) -> str:
+        return app.stop(session_of(request), "race")
+
+    go.click(race, inputs, outputs, concurrency_limit=None, show_progress="hidden")
+    stop_button.click(stop, None, outputs[1], queue=False)
