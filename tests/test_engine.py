@@ -537,3 +537,17 @@ def test_drafting_stops_when_it_does_not_pay(target_runner: ModelRunner,
     assert len(tokens) == 120
     assert sum(not e.drafted for e in events) > 80
     assert len(drafting) <= 12, [len(e.drafted) for e in events]
+
+
+def test_draft_catch_up_is_timed_apart(close_draft_model: PreTrainedModel) -> None:
+    """The draft's prefill (the prompt, or a gap while drafting was off) is reported as
+    sync_time, so adaptive k does not count it as the cost of each draft token."""
+    drafter = draft_drafter(close_draft_model)
+    context = PROMPTS["random-b"]
+    first = drafter.propose(context, 3, GREEDY, torch.Generator())
+    assert first.sync_time > 0 and len(first.tokens) == 3
+    steady = drafter.propose([*context, first.tokens[0]], 3, GREEDY, torch.Generator())
+    assert steady.sync_time == 0.0
+    fresh = draft_drafter(close_draft_model).propose([*context, first.tokens[0]], 3, GREEDY,
+                                                     torch.Generator())
+    assert steady.tokens == fresh.tokens  # the split feed drafts the same tokens

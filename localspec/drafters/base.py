@@ -26,6 +26,9 @@ class Proposal:
     tokens: list[int]
     q_draft: torch.Tensor | None = None  # [len(tokens), vocab] or None (one-hot draft)
     confidences: tuple[float, ...] = ()  # q(token) for each drafted token, for display
+    # Seconds spent catching up with the context (a prompt's prefill, tokens generated while
+    # drafting was off): paid once, not per draft, so adaptive k leaves it out of c_draft.
+    sync_time: float = 0.0
 
 
 class Drafter(Protocol):

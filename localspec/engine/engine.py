@@ -198,7 +198,8 @@ class SpeculativeEngine:
             t2 = time.perf_counter()
             # Keep the pending token and the accepted drafts; the target's token becomes pending.
             self.target.crop(len(context) + verdict.num_accepted)
-            controller.update(len(drafts), verdict.num_accepted, t1 - t0, t2 - t1)
+            controller.update(len(drafts), verdict.num_accepted, t1 - t0 - proposal.sync_time,
+                              t2 - t1)
 
             new_tokens = [*drafts[: verdict.num_accepted], verdict.token]
             kept, finish = self._cut(new_tokens, generated, max_new)
