@@ -566,3 +566,21 @@ def test_no_model_loaded_says_so_and_keeps_the_message() -> None:
     out = final(list(app.chat("hello", [], settings())))
     assert "No model is loaded" in out["notice"] and "unknown preset" in out["notice"]
     assert out["history"] == [] and out["message"] == "hello"
+
+
+def test_background_cache_audit_reports_damage(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cached model that fails the full check after loading is named in the status line;
+    one that passes leaves the status clean."""
+    import localspec.ui.host as host_module
+
+    target, draft = (type("Loaded", (), {"name": n})() for n in ("the-target", "the-draft"))
+    preset = type("Preset", (), {"name": "tiny"})()
+    pipeline = type("Pipe", (), {"target": target, "draft": draft, "preset": preset})()
+    found = {"the-target": None, "the-draft": "model.safetensors: SHA-256 differs"}
+    monkeypatch.setattr(host_module, "audit_cache", lambda loaded: found[loaded.name])
+    host = ModelHost()
+    host._pipeline = pipeline
+    host._audit_cache(pipeline)
+    error = host.status().error
+    assert error is not None and "the-draft" in error and "SHA-256 differs" in error
+    assert "the-target" not in error

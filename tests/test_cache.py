@@ -6,6 +6,7 @@ truncated user files)."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -22,7 +23,7 @@ from model_files import damage, fake_builtin, first_load, patch_find_spec, same_
 import localspec.models.cache as cache
 from localspec.config import cache_root
 from localspec.errors import ModelLoadError
-from localspec.models.loading import load_model
+from localspec.models.loading import audit_cache, load_model
 
 
 @pytest.fixture(autouse=True)
@@ -303,3 +304,27 @@ def test_assembly_and_conversion_clear_killed_writers_leftovers(
     assert sorted(p.name for p in gguf_dir.iterdir()) == ["fake-model.gguf",
                                                           "fake-model.gguf.manifest.json"]
     assert sorted(p.name for p in models_dir.iterdir()) == ["fake-model"]
+
+
+def test_full_audit_finds_damage_between_sampled_blocks(tiny_gguf: bytes, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Damage the start-up fingerprint cannot see (between its sampled blocks) is found by the
+    app's background full check, which makes the next load rebuild the folder."""
+    monkeypatch.setattr(cache, "_BLOCK_SIZE", 1024)  # so the tiny file is sampled, not read whole
+    spec, folder = first_load("gguf", tiny_gguf, tmp_path, monkeypatch)
+    loaded = load_model(spec)
+    assert audit_cache(loaded) is None
+    weights_file = folder / "model.safetensors"
+    size = weights_file.stat().st_size
+    sampled = cache._block_offsets(size)
+    gap = next(o + cache._BLOCK_SIZE for o, n in itertools.pairwise(sampled)
+               if n - o > cache._BLOCK_SIZE)  # a byte no sampled block covers
+    data = bytearray(weights_file.read_bytes())
+    data[gap] ^= 0xFF
+    weights_file.write_bytes(bytes(data))
+    assert cache.verify_manifest(folder / cache.MANIFEST_NAME) is None  # unseen at start-up
+    assert audit_cache(loaded) == "model.safetensors: SHA-256 differs"
+    assert not (folder / cache.MANIFEST_NAME).exists()
+    reloaded = load_model(spec)  # rebuilt: the damaged byte is gone
+    assert (reloaded.folder / cache.MANIFEST_NAME).is_file()
+    assert audit_cache(reloaded) is None

@@ -24,7 +24,6 @@ from localspec.drafters.base import Proposal
 from localspec.engine.verify import SamplingParams, logits_to_probs, sample
 from localspec.runtime.runner import ModelRunner
 
-
 CATCH_UP_SPLIT = 4  # more tokens to catch up on than this are fed in a pass of their own
 
 

@@ -32,10 +32,12 @@ from localspec.config import DEVICES, DTYPES, QUANTIZATIONS, ModelSpec
 from localspec.errors import ModelLoadError
 from localspec.models.builtin import BUILTIN_MODELS
 from localspec.models.cache import (
+    MANIFEST_NAME,
     Progress,
     builtin_model_dir,
     converted_gguf_dir,
     no_progress,
+    verify_manifest,
 )
 from localspec.runtime.quant import quantize_int8_weight_only
 
@@ -248,3 +250,20 @@ def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
         "token/id pairs differ): speculative decoding needs the same token ids. Pick a draft "
         "from the target's model family, or use method 'ngram'."
     )
+
+
+def audit_cache(loaded: LoadedModel) -> str | None:
+    """The full check the start-up fingerprint cannot afford: every cached file of ``loaded``
+    against its recorded SHA-256 (seconds per GB; the app runs it in the background). On a
+    mismatch the manifest is removed, so the next start rebuilds the folder; returns why.
+    A folder that is not our conversion (no manifest) is not ours to judge: None."""
+    manifest = loaded.folder / MANIFEST_NAME
+    if not manifest.is_file():
+        return None
+    problem = verify_manifest(manifest, full=True)
+    if problem is not None:
+        logger.warning("cached %s failed its full check (%s): it is rebuilt at the next start",
+                       loaded.folder, problem)
+        manifest.unlink(missing_ok=True)
+    return problem
+

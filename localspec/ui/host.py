@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from localspec.errors import LocalSpecError
 from localspec.models.cache import Progress
+from localspec.models.loading import audit_cache
 from localspec.pipeline import Pipeline
 from localspec.presets import Preset, load_preset
 
@@ -56,9 +57,11 @@ class HostStatus:
 class ModelHost:
     """Holds the active Pipeline; loads presets in a background thread."""
 
-    def __init__(self, loader: Loader = assemble_pipeline, warm_up: bool = True) -> None:
+    def __init__(self, loader: Loader = assemble_pipeline, warm_up: bool = True,
+                 audit: bool = True) -> None:
         self._loader = loader
         self._warm_up = warm_up
+        self._audit = audit  # hash the cached files in full after a load (background)
         self._state_lock = threading.Lock()
         self.generation_lock = threading.Lock()
         self._pipeline: Pipeline | None = None
@@ -105,6 +108,9 @@ class ModelHost:
                     warm_up(pipeline)
                 with self._state_lock:
                     self._pipeline, self._active, self._error = pipeline, key, None
+            if self._audit:
+                threading.Thread(target=self._audit_cache, args=(pipeline,), daemon=True,
+                                 name=f"audit-{key}").start()
         except LocalSpecError as exc:  # a bad file, a missing model, a foreign tokenizer ...
             logger.warning("loading preset %s failed: %s", key, exc)
             self._failed(f"could not load preset '{key}': {exc}")
@@ -118,6 +124,15 @@ class ModelHost:
                 self._loading = None
                 self._ready.notify_all()
         return True
+
+    def _audit_cache(self, pipeline: Pipeline) -> None:
+        """Hash the loaded models' cached files in full, in the background (the start-up check
+        samples blocks only); a damaged file is reported in the status line."""
+        for loaded in (pipeline.target, pipeline.draft):
+            problem = audit_cache(loaded) if loaded is not None else None
+            if problem is not None and self._pipeline is pipeline:
+                self._failed(f"the cached copy of {loaded.name} is damaged ({problem}): answers "
+                             "may be wrong; restart the app to rebuild it")
 
     def _failed(self, error: str) -> None:
         with self._state_lock:
