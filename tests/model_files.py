@@ -17,6 +17,7 @@ import torch
 from conftest import TOKENIZER_TEXTS, train_tokenizer
 
 import localspec.models.cache as cache
+import localspec.models.integrity as integrity
 from localspec.config import ModelSpec, cache_root
 from localspec.models.builtin import BUILTIN_MODELS, BuiltinModel
 from localspec.models.loading import load_model
@@ -137,5 +138,5 @@ def first_load(source: str, tiny_gguf: bytes, tmp_path: Path,
         spec = ModelSpec(str(tmp_path / "mine.gguf"), dtype="float32")
     folder = load_model(spec).folder
     expected = cache_root() / ("models" if source == "builtin" else "converted")
-    assert folder.parent == expected and (folder / cache.MANIFEST_NAME).is_file()
+    assert folder.parent == expected and (folder / integrity.MANIFEST_NAME).is_file()
     return spec, folder

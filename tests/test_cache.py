@@ -21,6 +21,7 @@ import pytest
 from model_files import damage, fake_builtin, first_load, patch_find_spec, same_weights, weights
 
 import localspec.models.cache as cache
+import localspec.models.integrity as integrity
 from localspec.config import cache_root
 from localspec.errors import ModelLoadError
 from localspec.models.loading import audit_cache, load_model
@@ -38,19 +39,19 @@ def test_fingerprint_samples_blocks_and_full_check_sees_the_rest(tmp_path: Path)
     so damage between them needs ``full``; a small file is covered entirely."""
     path = tmp_path / "big.bin"
     path.write_bytes(np.random.default_rng(0).bytes(8 * 1024 * 1024))
-    cache.write_manifest(tmp_path / "m.json", ["big.bin"])
-    original = cache.fingerprint(path)
+    integrity.write_manifest(tmp_path / "m.json", ["big.bin"])
+    original = integrity.fingerprint(path)
     assert original["size"] == 8 * 1024 * 1024
     data = path.read_bytes()
     for offset in (0, len(data) - 1):
         path.write_bytes(data[:offset] + bytes([data[offset] ^ 1]) + data[offset + 1:])
-        assert cache.fingerprint(path) != original
-        assert cache.verify_manifest(tmp_path / "m.json") == "big.bin: sampled blocks differ"
+        assert integrity.fingerprint(path) != original
+        assert integrity.verify_manifest(tmp_path / "m.json") == "big.bin: sampled blocks differ"
     between = 64 * 1024 + 10  # past the first block, far before the second
     path.write_bytes(data[:between] + bytes([data[between] ^ 1]) + data[between + 1:])
-    assert cache.fingerprint(path) == original
-    assert cache.verify_manifest(tmp_path / "m.json") is None
-    assert cache.verify_manifest(tmp_path / "m.json", full=True) == "big.bin: SHA-256 differs"
+    assert integrity.fingerprint(path) == original
+    assert integrity.verify_manifest(tmp_path / "m.json") is None
+    assert integrity.verify_manifest(tmp_path / "m.json", full=True) == "big.bin: SHA-256 differs"
 
 
 @pytest.mark.parametrize(
@@ -62,30 +63,30 @@ def test_fingerprint_samples_blocks_and_full_check_sees_the_rest(tmp_path: Path)
 def test_verify_manifest_refuses_bad_manifests(manifest_text: str | bytes | None, reason: str,
                                                tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
-    manifest = tmp_path / cache.MANIFEST_NAME
-    cache.write_manifest(manifest, ["config.json"])
-    assert cache.verify_manifest(manifest) is None
+    manifest = tmp_path / integrity.MANIFEST_NAME
+    integrity.write_manifest(manifest, ["config.json"])
+    assert integrity.verify_manifest(manifest) is None
     if manifest_text is None:
         manifest.unlink()
     elif isinstance(manifest_text, bytes):
         manifest.write_bytes(manifest_text)
     else:
         manifest.write_text(manifest_text)
-    assert cache.verify_manifest(manifest).startswith(reason)
+    assert integrity.verify_manifest(manifest).startswith(reason)
 
 
 def test_verify_manifest_names_the_damaged_file(tmp_path: Path) -> None:
     for name in ("config.json", "model.safetensors"):
         (tmp_path / name).write_bytes(name.encode() * 100)
-    manifest = tmp_path / cache.MANIFEST_NAME
-    cache.write_manifest(manifest, ["config.json", "model.safetensors"])
+    manifest = tmp_path / integrity.MANIFEST_NAME
+    integrity.write_manifest(manifest, ["config.json", "model.safetensors"])
     damage(tmp_path / "model.safetensors", "same-size")
-    assert cache.verify_manifest(manifest) == "model.safetensors: sampled blocks differ"
+    assert integrity.verify_manifest(manifest) == "model.safetensors: sampled blocks differ"
     damage(tmp_path / "model.safetensors", "truncated")
-    assert cache.verify_manifest(manifest) == \
+    assert integrity.verify_manifest(manifest) == \
         "model.safetensors: size differs (850 bytes, 1700 written)"
     (tmp_path / "model.safetensors").unlink()
-    assert cache.verify_manifest(manifest) == "model.safetensors unreadable (FileNotFoundError)"
+    assert integrity.verify_manifest(manifest) == "model.safetensors unreadable (FileNotFoundError)"
 
 
 # ----------------------------------------------------------------------------- built-in GGUF
@@ -167,7 +168,7 @@ def test_damaged_assembled_gguf_is_reassembled(damaged: str, tmp_path: Path,
     with caplog.at_level(logging.WARNING, logger="localspec.models.cache"):
         assert cache.assemble_builtin(builtin, lambda m, f: messages.append(m)) == dest
     assert dest.read_bytes() == b"".join(PARTS)
-    assert cache.verify_manifest(gguf_manifest(), full=True) is None
+    assert integrity.verify_manifest(gguf_manifest(), full=True) is None
     warning = f"cached {dest} failed its integrity check ("
     assert any(warning in record.getMessage() for record in caplog.records)
     assert any(m.startswith(warning) and m.endswith("): rebuilding") for m in messages)
@@ -184,7 +185,7 @@ def test_gguf_cached_before_manifests_is_adopted_after_a_full_hash(
     dest.with_suffix(".sha256").write_text(builtin.sha256 + "\n")
     patch_find_spec(monkeypatch, {p.replace("-", "_"): None for p in builtin.packages})
     assert cache.assemble_builtin(builtin) == dest
-    assert cache.verify_manifest(gguf_manifest(), pinned={dest.name: builtin.sha256}) is None
+    assert integrity.verify_manifest(gguf_manifest(), pinned={dest.name: builtin.sha256}) is None
     gguf_manifest().unlink()
     damage(dest, "same-size")
     with pytest.raises(ModelLoadError, match="needs the package 'fake-model-part1'"):
@@ -218,7 +219,7 @@ def test_damaged_converted_folder_is_rebuilt(source: str, damaged: str, tiny_ggu
     spec, folder = first_load(source, tiny_gguf, tmp_path, monkeypatch)
     written = weights(folder)
     if damaged == "no-manifest":  # a folder cached before manifests, or a killed writer
-        (folder / cache.MANIFEST_NAME).unlink()
+        (folder / integrity.MANIFEST_NAME).unlink()
         damage(folder / "model.safetensors", "same-size")
     elif damaged == "config":
         (folder / "config.json").write_text("{")
@@ -268,7 +269,7 @@ def test_remove_stale_temps_keeps_live_writers(tmp_path: Path) -> None:
         hour_ago = time.time() - 3700
         for name in [*others, *live[:2], *gone]:
             os.utime(tmp_path / name, (hour_ago, hour_ago))
-        removed = cache.remove_stale_temps(tmp_path)
+        removed = integrity.remove_stale_temps(tmp_path)
     finally:
         sleeper.kill()
         sleeper.wait()
@@ -295,7 +296,7 @@ def test_assembly_and_conversion_clear_killed_writers_leftovers(
 
     def concurrent_cleanup(message: str, fraction: float) -> None:
         if message.startswith("assembling"):
-            cache.remove_stale_temps(gguf_dir)  # what another process starting now would do
+            integrity.remove_stale_temps(gguf_dir)  # what another process starting now would do
             own_temps.extend(p.name for p in gguf_dir.glob("fake-model.gguf.pid*.part"))
 
     cache.builtin_model_dir(builtin, concurrent_cleanup)
@@ -310,21 +311,21 @@ def test_full_audit_finds_damage_between_sampled_blocks(tiny_gguf: bytes, tmp_pa
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Damage the start-up fingerprint cannot see (between its sampled blocks) is found by the
     app's background full check, which makes the next load rebuild the folder."""
-    monkeypatch.setattr(cache, "_BLOCK_SIZE", 1024)  # so the tiny file is sampled, not read whole
+    monkeypatch.setattr(integrity, "_BLOCK_SIZE", 1024)  # so the tiny file is sampled, not read whole
     spec, folder = first_load("gguf", tiny_gguf, tmp_path, monkeypatch)
     loaded = load_model(spec)
     assert audit_cache(loaded) is None
     weights_file = folder / "model.safetensors"
     size = weights_file.stat().st_size
-    sampled = cache._block_offsets(size)
-    gap = next(o + cache._BLOCK_SIZE for o, n in itertools.pairwise(sampled)
-               if n - o > cache._BLOCK_SIZE)  # a byte no sampled block covers
+    sampled = integrity._block_offsets(size)
+    gap = next(o + integrity._BLOCK_SIZE for o, n in itertools.pairwise(sampled)
+               if n - o > integrity._BLOCK_SIZE)  # a byte no sampled block covers
     data = bytearray(weights_file.read_bytes())
     data[gap] ^= 0xFF
     weights_file.write_bytes(bytes(data))
-    assert cache.verify_manifest(folder / cache.MANIFEST_NAME) is None  # unseen at start-up
+    assert integrity.verify_manifest(folder / integrity.MANIFEST_NAME) is None  # unseen at start-up
     assert audit_cache(loaded) == "model.safetensors: SHA-256 differs"
-    assert not (folder / cache.MANIFEST_NAME).exists()
+    assert not (folder / integrity.MANIFEST_NAME).exists()
     reloaded = load_model(spec)  # rebuilt: the damaged byte is gone
-    assert (reloaded.folder / cache.MANIFEST_NAME).is_file()
+    assert (reloaded.folder / integrity.MANIFEST_NAME).is_file()
     assert audit_cache(reloaded) is None

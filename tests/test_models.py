@@ -23,7 +23,7 @@ from model_files import (
     write_tiny_gguf,
 )
 
-import localspec.models.cache as cache
+import localspec.models.integrity as integrity
 from localspec.config import ModelSpec, cache_root
 from localspec.models.builtin import BUILTIN_MODELS
 from localspec.models.loading import (
@@ -87,7 +87,7 @@ def test_builtin_name_uses_converted_cache(saved_model_dir: Path,
     name = "smollm2-135m-instruct"
     folder = cache_root() / "models" / name
     copy_tree(saved_model_dir, folder)
-    cache.write_manifest(folder / cache.MANIFEST_NAME, [p.name for p in folder.iterdir()])
+    integrity.write_manifest(folder / integrity.MANIFEST_NAME, [p.name for p in folder.iterdir()])
     patch_find_spec(monkeypatch, {p.replace("-", "_"): None
                                   for p in BUILTIN_MODELS[name].packages})
     loaded = load_model(ModelSpec(name, dtype="float32"))
@@ -199,8 +199,8 @@ def test_cached_folder_failing_to_load_is_rebuilt_once(tiny_gguf: bytes, tmp_pat
     spec, folder = first_load("builtin", tiny_gguf, tmp_path, monkeypatch)
     written = weights(folder)
     damage(folder / "model.safetensors", "truncated")
-    names = sorted(p.name for p in folder.iterdir() if p.name != cache.MANIFEST_NAME)
-    cache.write_manifest(folder / cache.MANIFEST_NAME, names)
+    names = sorted(p.name for p in folder.iterdir() if p.name != integrity.MANIFEST_NAME)
+    integrity.write_manifest(folder / integrity.MANIFEST_NAME, names)
     messages: list[str] = []
     loaded = load_model(spec, lambda m, f: messages.append(m))
     assert same_weights(weights(loaded.folder), written)
