@@ -18,11 +18,12 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
+import torch
 from model_files import damage, fake_builtin, first_load, patch_find_spec, same_weights, weights
 
 import localspec.models.cache as cache
 import localspec.models.integrity as integrity
-from localspec.config import cache_root
+from localspec.config import ModelSpec, cache_root
 from localspec.errors import ModelLoadError
 from localspec.models.loading import audit_cache, load_model
 
@@ -311,7 +312,7 @@ def test_full_audit_finds_damage_between_sampled_blocks(tiny_gguf: bytes, tmp_pa
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Damage the start-up fingerprint cannot see (between its sampled blocks) is found by the
     app's background full check, which makes the next load rebuild the folder."""
-    monkeypatch.setattr(integrity, "_BLOCK_SIZE", 1024)  # so the tiny file is sampled, not read whole
+    monkeypatch.setattr(integrity, "_BLOCK_SIZE", 1024)  # the tiny file is sampled, not read
     spec, folder = first_load("gguf", tiny_gguf, tmp_path, monkeypatch)
     loaded = load_model(spec)
     assert audit_cache(loaded) is None
@@ -329,3 +330,22 @@ def test_full_audit_finds_damage_between_sampled_blocks(tiny_gguf: bytes, tmp_pa
     reloaded = load_model(spec)  # rebuilt: the damaged byte is gone
     assert (reloaded.folder / integrity.MANIFEST_NAME).is_file()
     assert audit_cache(reloaded) is None
+
+
+def test_weights_are_stored_in_the_dtype_they_are_loaded_in(tiny_gguf: bytes,
+                                                            tmp_path: Path) -> None:
+    """bfloat16 is stored as bfloat16 (no float32 copy read and cast at every start); float32
+    keeps the exact dequantized values in a folder of its own."""
+    from safetensors import safe_open
+
+    (tmp_path / "mine.gguf").write_bytes(tiny_gguf)
+    folders = {}
+    for dtype in ("float32", "bfloat16"):
+        loaded = load_model(ModelSpec(str(tmp_path / "mine.gguf"), dtype=dtype))
+        folders[dtype] = loaded.folder
+        with safe_open(loaded.folder / "model.safetensors", "pt") as f:
+            stored = {f.get_slice(k).get_dtype() for k in f.keys()}  # noqa: SIM118
+        assert stored == {"F32" if dtype == "float32" else "BF16"}
+        assert {p.dtype for p in loaded.model.parameters()} == {getattr(torch, dtype)}
+    assert folders["bfloat16"] == folders["float32"].with_name(folders["float32"].name
+                                                               + ".bfloat16")

@@ -150,13 +150,14 @@ def assemble_builtin(model: BuiltinModel, progress: Progress = no_progress,
 # ----------------------------------------------------------------------------- conversion
 
 
-def _read_gguf(gguf_path: Path) -> tuple[object, PreTrainedModel]:
-    """Tokenizer and model of a GGUF file; a truncated or non-GGUF file is a ModelLoadError
-    that names it and its size, not a parser traceback."""
+def _read_gguf(gguf_path: Path, dtype: str) -> tuple[object, PreTrainedModel]:
+    """Tokenizer and model (in ``dtype``) of a GGUF file; a truncated or non-GGUF file is a
+    ModelLoadError that names it and its size, not a parser traceback."""
     folder, name = str(gguf_path.parent), gguf_path.name
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
+                                                     dtype=getattr(torch, dtype))
     except _GGUF_READ_ERRORS as exc:
         size = gguf_path.stat().st_size if gguf_path.is_file() else 0
         raise ModelLoadError(
@@ -168,13 +169,14 @@ def _read_gguf(gguf_path: Path) -> tuple[object, PreTrainedModel]:
     return tokenizer, model
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress = no_progress) -> Path:
+def convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress = no_progress,
+                 dtype: str = "float32") -> Path:
     """Dequantize a GGUF checkpoint into a safetensors folder (config, tokenizer, weights and
     a manifest), replacing whatever ``out_dir`` held."""
     from safetensors.torch import save_file
 
     progress(f"converting {gguf_path.name} (done once; a minute or two)", 0.0)
-    tokenizer, model = _read_gguf(gguf_path)
+    tokenizer, model = _read_gguf(gguf_path, dtype)
     state = model.state_dict()
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -218,21 +220,29 @@ def _gguf_cache_dir(gguf_path: Path) -> Path:
     return cache_root() / "converted" / f"{gguf_path.stem}-{key.hexdigest()[:12]}"
 
 
+def stored_as(folder: Path, dtype: str) -> Path:
+    """The folder holding the weights in ``dtype``: float32 (exact GGUF values) in ``folder``,
+    others beside it (``<folder>.bfloat16``), so a model is loaded as it is stored, never
+    through a float32 copy (a 1.5B model: 3 GB read instead of 7, no 11 GB peak)."""
+    return folder if dtype == "float32" else folder.with_name(f"{folder.name}.{dtype}")
+
+
 def builtin_model_dir(model: BuiltinModel, progress: Progress = no_progress,
-                      rebuild: bool = False) -> Path:
-    """The converted folder of a built-in model, assembled and converted on first use and
-    whenever it fails its integrity check (or ``rebuild``)."""
-    out_dir = cache_root() / "models" / model.name
+                      rebuild: bool = False, dtype: str = "float32") -> Path:
+    """The converted folder of a built-in model in ``dtype``, assembled and converted on first
+    use and whenever it fails its integrity check (or ``rebuild``)."""
+    out_dir = stored_as(cache_root() / "models" / model.name, dtype)
     if not rebuild and _cached_dir_ok(out_dir, progress):
         return out_dir
     # the whole GGUF is about to be read anyway: check all of it, not just the fingerprint
-    return convert_gguf(assemble_builtin(model, progress, full=True), out_dir, progress)
+    return convert_gguf(assemble_builtin(model, progress, full=True), out_dir, progress, dtype)
 
 
 def converted_gguf_dir(gguf_path: Path, progress: Progress = no_progress,
-                       rebuild: bool = False) -> Path:
-    """The converted folder of a user's .gguf file (keyed by its path, size and mtime)."""
-    out_dir = _gguf_cache_dir(gguf_path)
+                       rebuild: bool = False, dtype: str = "float32") -> Path:
+    """The converted folder of a user's .gguf file in ``dtype`` (keyed by its path, size and
+    mtime)."""
+    out_dir = stored_as(_gguf_cache_dir(gguf_path), dtype)
     if not rebuild and _cached_dir_ok(out_dir, progress):
         return out_dir
-    return convert_gguf(gguf_path, out_dir, progress)
+    return convert_gguf(gguf_path, out_dir, progress, dtype)

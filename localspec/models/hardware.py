@@ -23,7 +23,7 @@ from pathlib import Path
 
 import psutil
 
-from localspec.config import HARDWARE, Preset, cache_root
+from localspec.config import DTYPES, HARDWARE, Preset, cache_root
 from localspec.models.builtin import BUILTIN_MODELS
 
 GIB = 1024**3
@@ -158,9 +158,10 @@ def _config_on_disk(model: str) -> Path | None:
     path = Path(model).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
         return path / "config.json"
-    if model in BUILTIN_MODELS:
-        candidate = cache_root() / "models" / model / "config.json"
-        return candidate if candidate.is_file() else None
+    if model in BUILTIN_MODELS:  # converted in any dtype: models/<name>[.<dtype>]/
+        folders = [model, *(f"{model}.{dtype}" for dtype in DTYPES)]
+        found = [cache_root() / "models" / f / "config.json" for f in folders]
+        return next((c for c in found if c.is_file()), None)
     if model.count("/") == 1 and not path.exists():
         try:
             from huggingface_hub import try_to_load_from_cache

@@ -44,6 +44,7 @@ from localspec.runtime.quant import quantize_int8_weight_only
 logger = logging.getLogger(__name__)
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+STORAGE_DTYPES = {value: name for name, value in TORCH_DTYPES.items()}  # a cache folder per dtype
 
 __all__ = ["LoadedModel", "ModelLoadError", "ModelSpec", "Progress", "check_same_tokenizer",
            "load_model", "pick_device", "pick_dtype", "resolve_model"]
@@ -92,17 +93,18 @@ def _is_cached_conversion(name: str) -> bool:
 
 
 def resolve_model(spec: ModelSpec, progress: Progress = no_progress,
-                  rebuild: bool = False) -> Path:
-    """Turn a model name into a local folder in save_pretrained layout. ``rebuild`` converts
-    a built-in or .gguf model again even if its cached folder passes its integrity check."""
+                  rebuild: bool = False, dtype: str = "float32") -> Path:
+    """Turn a model name into a local folder in save_pretrained layout. A built-in or .gguf
+    model is converted (once) into weights of ``dtype``; ``rebuild`` converts it again even if
+    its cached folder passes its integrity check."""
     name = spec.model
     if name in BUILTIN_MODELS:
-        return builtin_model_dir(BUILTIN_MODELS[name], progress, rebuild=rebuild)
+        return builtin_model_dir(BUILTIN_MODELS[name], progress, rebuild=rebuild, dtype=dtype)
     path = Path(name).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelLoadError(f"GGUF file not found: {path}")
-        return converted_gguf_dir(path, progress, rebuild=rebuild)
+        return converted_gguf_dir(path, progress, rebuild=rebuild, dtype=dtype)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"folder {path} has no config.json: not a save_pretrained model")
@@ -215,7 +217,8 @@ def load_model(spec: ModelSpec, progress: Progress = no_progress) -> LoadedModel
     device = pick_device(spec.device)
     dtype = pick_dtype(spec.dtype, device)
     quantization = _quantization_config(spec.quantization, dtype)
-    folder = resolve_model(spec, progress)
+    stored = STORAGE_DTYPES[dtype]
+    folder = resolve_model(spec, progress, dtype=stored)
     progress(f"loading {spec.model}", 0.0)
     try:
         tokenizer, model = _load_folder(spec, folder, device, dtype, quantization)
@@ -225,7 +228,7 @@ def load_model(spec: ModelSpec, progress: Progress = no_progress) -> LoadedModel
         message = f"cached {folder} failed to load ({exc}): rebuilding"
         logger.warning(message)
         progress(message, 0.0)
-        folder = resolve_model(spec, progress, rebuild=True)
+        folder = resolve_model(spec, progress, rebuild=True, dtype=stored)
         try:
             tokenizer, model = _load_folder(spec, folder, device, dtype, quantization)
         except (SafetensorError, OSError) as again:
