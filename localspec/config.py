@@ -151,7 +151,7 @@ class ModelSpec:
 
 
 class Preset(BaseModel):
-    """A target, a drafter and settings, as one ``presets/*.toml`` file says."""
+    """A target, a drafter and settings: one ``localspec/data/presets/*.toml`` file."""
 
     model_config = _STRICT
 

@@ -46,7 +46,7 @@ EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports a writer whose reade
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default=DEFAULT_PRESET,
-                        help="a name from presets/ or a path to a .toml file")
+                        help="a shipped preset (see `localspec presets`) or a .toml path")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -194,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     export = sub.add_parser("export-vllm", help="print the equivalent `vllm serve` command")
     export.add_argument("preset_name", metavar="PRESET",
-                        help="a name from presets/ or a path to a .toml file")
+                        help="a shipped preset (see `localspec presets`) or a .toml path")
     export.set_defaults(func=_cmd_export_vllm)
     return parser
 

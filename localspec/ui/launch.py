@@ -19,7 +19,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     parser = argparse.ArgumentParser(description="LocalSpec: chat with speculative decoding")
     parser.add_argument("--preset", default=DEFAULT_PRESET,
-                        help="a name from presets/ or a path to a .toml file")
+                        help="a shipped preset (see `localspec presets`) or a .toml path")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default: loopback only)")
     parser.add_argument("--port", type=int, default=7860)
