@@ -184,13 +184,13 @@ CHAT_TEMPLATE = (
 )
 
 PRESET = """\
-name = "tiny-cli"
+name = "{name}"
 description = "tiny random models"
 hardware = "cpu"
 target = {{ model = "{target}", dtype = "float32", device = "cpu" }}
-speculative_config = {{ method = "{method}", num_speculative_tokens = 3{draft} }}
-sampling = {{ max_new_tokens = 8 }}
-localspec = {{ draft_dtype = "float32", draft_confidence_threshold = 0.0 }}
+speculative_config = {{ method = "{method}", num_speculative_tokens = {k}{draft} }}
+sampling = {{ max_new_tokens = {max_new_tokens} }}
+localspec = {{ draft_dtype = "float32", draft_confidence_threshold = 0.0, adaptive_k = {adaptive} }}
 """
 
 
@@ -209,10 +209,14 @@ def tiny_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return folders
 
 
-def write_preset(folder: Path, target: Path, draft: Path | None = None) -> str:
-    """A preset file for ``target`` (draft_model with ``draft``, else ngram); its path."""
-    path = folder / ("tiny-draft.toml" if draft else "tiny-ngram.toml")
-    path.write_text(PRESET.format(target=target, method="draft_model" if draft else "ngram",
+def write_preset(folder: Path, target: Path, draft: Path | None = None, method: str | None = None,
+                 k: int = 3, max_new_tokens: int = 8, adaptive: bool = True) -> str:
+    """A preset file for ``target`` (draft_model with ``draft``, else ngram, unless ``method``
+    says otherwise); its path."""
+    method = method or ("draft_model" if draft else "ngram")
+    path = folder / f"tiny-{method}.toml"
+    path.write_text(PRESET.format(name=f"tiny {method}", target=target, method=method, k=k,
+                                  max_new_tokens=max_new_tokens, adaptive=str(adaptive).lower(),
                                   draft=f', model = "{draft}"' if draft else ""),
                     encoding="utf-8")
     return str(path)

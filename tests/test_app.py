@@ -17,7 +17,7 @@ from pathlib import Path
 
 import gradio as gr
 import pytest
-from conftest import TOKENIZER_TEXTS, make_tiny_model, train_tokenizer
+from conftest import CHAT_TEMPLATE, TOKENIZER_TEXTS, make_tiny_model, train_tokenizer, write_preset
 
 from localspec.config import (
     MAX_NEW_TOKENS,
@@ -37,19 +37,6 @@ from localspec.ui.layout import SLIDERS, build, setting_range
 SMOL = "cpu-smollm2-ngram"
 COPY_PROMPT = ("Repeat this sentence exactly: The quick brown fox jumps over the lazy dog near "
                "the river bank.")
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
-TINY_PRESET = """\
-name = "{name}"
-description = "tiny random models"
-hardware = "cpu"
-target = {{ model = "{target}", dtype = "float32", device = "cpu" }}
-speculative_config = {{ method = "{method}", num_speculative_tokens = 4{draft} }}
-sampling = {{ max_new_tokens = 12 }}
-localspec = {{ draft_dtype = "float32", draft_confidence_threshold = 0.0, adaptive_k = false }}
-"""
 
 
 def settings(**overrides: object) -> Settings:
@@ -94,14 +81,10 @@ def tiny_presets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     for name, seed in (("target", 0), ("draft", 1)):
         make_tiny_model(seed=seed, vocab_size=300).save_pretrained(root / name)
         tokenizer.save_pretrained(root / name)
-    presets = {}
-    for key, method, draft in (("ngram", "ngram", ""), ("plain", "none", ""),
-                               ("draft", "draft_model", f', model = "{root / "draft"}"')):
-        path = root / f"tiny-{key}.toml"
-        path.write_text(TINY_PRESET.format(name=f"tiny {key}", target=root / "target",
-                                           method=method, draft=draft), encoding="utf-8")
-        presets[key] = str(path)
-    return presets
+    return {key: write_preset(root, root / "target", draft, method, k=4, max_new_tokens=12,
+                              adaptive=False)
+            for key, method, draft in (("ngram", "ngram", None), ("plain", "none", None),
+                                       ("draft", "draft_model", root / "draft"))}
 
 
 @pytest.fixture
@@ -357,10 +340,10 @@ def test_preset_switch_while_generating(tiny: ChatApp, tiny_presets: dict[str, s
     switch.start()
     out = final(list(stream))
     switch.join(60)
-    assert not switch.is_alive() and "tiny plain" in switched[0]["status"]
+    assert not switch.is_alive() and "tiny none" in switched[0]["status"]
     assert out["history"][-1] == {"role": "assistant", "content": expected}
     assert tiny.host.status().active == tiny_presets["plain"]
-    assert "tiny plain" in tiny.status()
+    assert "tiny none" in tiny.status()
 
 
 def test_race_refusals(tiny: ChatApp) -> None:
