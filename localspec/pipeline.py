@@ -186,17 +186,26 @@ class Pipeline:
             num_speculative_tokens=r.num_speculative_tokens, adaptive=r.adaptive,
             stop_strings=stop_strings, seed=r.seed)
 
+    def engine_with(self, drafter: Drafter) -> SpeculativeEngine:
+        """An engine over the target's runner with a drafter of the caller's (the benchmark's
+        simulated acceptance); not cached."""
+        return SpeculativeEngine(self._target_runner(), drafter, self._decode,
+                                 self.eos_token_ids())
+
     def stream(self, request: GenerationRequest, method: str | None = None,
                cancelled: Callable[[], bool] = lambda: False) -> Iterator[StepEvent]:
         return self.engine(method).generate(request, cancelled)
 
     def run(self, request: GenerationRequest, method: str | None = None,
-            on_event: Callable[[StepEvent], None] | None = None) -> GenerationResult:
-        """Generate to the end; collect events, text and stats."""
+            on_event: Callable[[StepEvent], None] | None = None,
+            engine: SpeculativeEngine | None = None) -> GenerationResult:
+        """Generate to the end (with ``engine`` if given, else the method's); collect events,
+        text and stats."""
         stats = GenerationStats()
         events: list[StepEvent] = []
         start = time.perf_counter()
-        for event in self.stream(request, method):
+        stream = engine.generate(request) if engine is not None else self.stream(request, method)
+        for event in stream:
             events.append(event)
             stats.add(event)
             if on_event is not None:

@@ -299,6 +299,51 @@ def test_bench_and_verify_run(capsys: pytest.CaptureFixture[str], presets: dict[
     assert json.loads(out)["passed"] is True
 
 
+def test_bench_warms_up_every_method_before_timing(presets: dict[str, str],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each method runs once, short, before any timed run, so none pays the first-call costs
+    for the others."""
+    import localspec.cli.bench as bench
+
+    calls: list[tuple[str, int]] = []
+
+    def fake_run(_pipe: object, method: str, prompt_ids: list[int], max_new: int,
+                 reference: list[int] | None = None) -> dict:
+        calls.append((method, max_new))
+        return {"token_ids": [1] * max_new, "tokens_per_second": 1.0, "wall_time_s": 1.0,
+                "acceptance_rate": None, "mean_accepted_length": 1.0,
+                "target_forward_passes": max_new}
+
+    monkeypatch.setattr(bench, "_run_ours", fake_run)
+    monkeypatch.setattr(bench, "encode_prompts", lambda _pipe, rows, _max: [[1, 2]] * len(rows))
+    pipe = type("Pipe", (), {"preset": load_preset(presets["draft"])})()
+    bench.run_bench(pipe, [{"prompt": "a"}, {"prompt": "b"}], ["ngram", "draft_model"], 20)
+    warm = [(m, bench.WARM_UP_TOKENS) for m in ("none", "ngram", "draft_model")]
+    assert calls[:3] == warm and all(n == 20 for _, n in calls[3:]) and len(calls) == 9
+
+
+def test_bench_simulated_acceptance(capsys: pytest.CaptureFixture[str],
+                                    presets: dict[str, str], tmp_path: Path) -> None:
+    """--simulate-acceptance adds draft_model@A runs, exact like every method; it needs a draft
+    model and an A in [0, 1], both checked before loading."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def add(a, b):"}) + "\n", encoding="utf-8")
+    code, out, err = run_cli(capsys, "bench", "--preset", presets["draft"], "--methods", "none",
+                             "--simulate-acceptance", "1,0", "--max-new-tokens", "6",
+                             "--prompts", str(prompts), "--json")
+    assert code == 0, err
+    report = json.loads(out)["methods"]
+    assert list(report) == ["none", "draft_model@1", "draft_model@0"]
+    assert all(r["identical_to_none"] for r in report.values())
+    assert report["draft_model@1"]["acceptance_rate"] == 1.0
+    assert report["draft_model@0"]["acceptance_rate"] == 0.0
+    for flags, message in (((presets["ngram"], "0.5"), "needs a draft model"),
+                           ((presets["draft"], "1.5"), "unknown method(s) draft_model@1.5")):
+        code, _, err = run_cli(capsys, "bench", "--preset", flags[0], "--simulate-acceptance",
+                               flags[1])
+        assert code == 2 and message in err, err
+
+
 # ----------------------------------------------------------------------------- presets, export
 
 

@@ -19,6 +19,7 @@ from localspec.drafters.base import Drafter
 from localspec.drafters.draft_model import DraftModelDrafter
 from localspec.drafters.lookup_first import LookupFirstDrafter
 from localspec.drafters.ngram import NgramDrafter
+from localspec.drafters.simulated import SimulatedDrafter
 from localspec.engine.engine import (
     GenerationError,
     GenerationRequest,
@@ -551,3 +552,29 @@ def test_draft_catch_up_is_timed_apart(close_draft_model: PreTrainedModel) -> No
     fresh = draft_drafter(close_draft_model).propose([*context, first.tokens[0]], 3, GREEDY,
                                                      torch.Generator())
     assert steady.tokens == fresh.tokens  # the split feed drafts the same tokens
+
+
+@pytest.mark.parametrize("acceptance", [0.0, 0.5, 1.0])
+def test_simulated_acceptance_pays_the_draft_and_stays_exact(
+        acceptance: float, target_runner: ModelRunner, target_model: PreTrainedModel,
+        random_draft_model: PreTrainedModel) -> None:
+    """bench --simulate-acceptance: the real (here: always wrong) draft model runs, but the
+    drafts are the target's greedy tokens kept with the chosen probability; verification is
+    real, so the output is plain decoding's."""
+    prompt = PROMPTS["random-b"]
+    reference = plain_tokens(target_model, prompt, max_new_tokens=80)
+    inner = draft_drafter(random_draft_model)
+    drafter = SimulatedDrafter(inner, reference, len(prompt), acceptance, seed=3)
+    engine = SpeculativeEngine(target_runner, drafter, decode, set())
+    tokens, events = collect(engine, request(prompt, k=4, max_new_tokens=80))
+    assert tokens == reference
+    assert inner._seen  # the draft model really ran
+    drafted = sum(len(e.drafted) for e in events)
+    accepted = sum(e.accepted for e in events)
+    tested = sum(min(len(e.drafted), e.accepted + 1) for e in events)  # positions looked at
+    if acceptance == 1.0:
+        assert accepted == drafted > 0
+    elif acceptance == 0.0:
+        assert accepted == 0 and drafted > 0
+    else:
+        assert 0.3 < accepted / tested < 0.7, (accepted, tested)

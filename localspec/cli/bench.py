@@ -21,6 +21,7 @@ import torch
 
 from localspec.cli.prompts import encode_prompts, load_prompts
 from localspec.config import METHODS, Preset
+from localspec.drafters.simulated import SimulatedDrafter
 from localspec.errors import ConfigError, PresetError
 from localspec.pipeline import Pipeline, check_method
 
@@ -28,6 +29,7 @@ __all__ = ["DEFAULT_METHODS", "HF_METHODS", "OUR_METHODS", "check_methods", "def
            "first_difference", "format_table", "load_prompts", "run_bench", "summarise"]
 
 HF_METHODS = ("hf-assisted", "hf-lookup", "hf-plain")
+SIMULATED = "draft_model@"  # draft_model@0.8: the draft's cost, acceptance 0.8 (simulated)
 OUR_METHODS = METHODS
 DEFAULT_METHODS = ("none", "draft_model", "ngram", "hf-assisted", "hf-lookup")
 NEEDS_DRAFT = ("draft_model", "hf-assisted")
@@ -40,17 +42,36 @@ def check_methods(preset: Preset, methods: list[str]) -> list[str]:
     if not methods:
         raise ConfigError(f"no methods to benchmark: choose from "
                           f"{', '.join(OUR_METHODS + HF_METHODS)}")
-    unknown = [m for m in methods if m not in OUR_METHODS + HF_METHODS]
+    unknown = [m for m in methods
+               if m not in OUR_METHODS + HF_METHODS and simulated_acceptance(m) is None]
     if unknown:
         raise ConfigError(f"unknown method(s) {', '.join(unknown)}; choose from "
-                          f"{', '.join(OUR_METHODS + HF_METHODS)}")
+                          f"{', '.join(OUR_METHODS + HF_METHODS)} or {SIMULATED}A "
+                          "(A in [0, 1])")
     for method in methods:
         if method in OUR_METHODS:
             check_method(preset, method)
+        elif simulated_acceptance(method) is not None:
+            check_method(preset, "draft_model")
         elif method in NEEDS_DRAFT and preset.draft_spec() is None:
             raise PresetError(f"method '{method}' needs a draft model, and preset "
                               f"'{preset.name}' names none in [speculative_config] model")
     return list(dict.fromkeys(["none", *methods]))
+
+
+def simulated_acceptance(method: str) -> float | None:
+    """A for a method ``draft_model@A`` with A in [0, 1]; None for any other name."""
+    if not method.startswith(SIMULATED):
+        return None
+    try:
+        acceptance = float(method.removeprefix(SIMULATED))
+    except ValueError:
+        return None
+    return acceptance if 0.0 <= acceptance <= 1.0 else None
+
+
+def needs_draft(method: str) -> bool:
+    return method in NEEDS_DRAFT or simulated_acceptance(method) is not None
 
 
 def default_methods(preset: Preset) -> list[str]:
@@ -112,13 +133,33 @@ def _run_hf(pipe: Pipeline, method: str, prompt_ids: list[int], max_new: int) ->
             "target_forward_passes": passes}
 
 
-def _run_ours(pipe: Pipeline, method: str, prompt_ids: list[int], max_new: int) -> dict[str, Any]:
-    result = pipe.run(pipe.request(prompt_ids, max_new_tokens=max_new, temperature=0.0), method)
+def _run_ours(pipe: Pipeline, method: str, prompt_ids: list[int], max_new: int,
+              reference: list[int] | None = None) -> dict[str, Any]:
+    """One of our methods; ``draft_model@A`` drafts with the real draft model's cost but the
+    target's greedy tokens from ``reference`` (plain decoding's), each kept with A."""
+    request = pipe.request(prompt_ids, max_new_tokens=max_new, temperature=0.0)
+    acceptance = simulated_acceptance(method)
+    if acceptance is None:
+        result = pipe.run(request, method)
+    else:
+        drafter = SimulatedDrafter(pipe.engine("draft_model").drafter, reference or [],
+                                   len(prompt_ids), acceptance)
+        result = pipe.run(request, engine=pipe.engine_with(drafter))
     s = result.stats
     return {"token_ids": result.token_ids, "tokens_per_second": s.tokens_per_second,
             "wall_time_s": s.wall_time, "acceptance_rate": s.acceptance_rate,
             "mean_accepted_length": s.mean_accepted_length,
             "target_forward_passes": s.target_forward_passes}
+
+
+WARM_UP_TOKENS = 8
+
+
+def _run_one(pipe: Pipeline, method: str, prompt_ids: list[int], max_new: int,
+             reference: list[int] | None) -> dict[str, Any]:
+    if method in HF_METHODS:
+        return _run_hf(pipe, method, prompt_ids, max_new)
+    return _run_ours(pipe, method, prompt_ids, max_new, reference)
 
 
 def run_bench(
@@ -133,14 +174,17 @@ def run_bench(
     Methods and prompts are checked before the first run."""
     methods = check_methods(pipe.preset, methods)
     encoded = encode_prompts(pipe, prompts, max_new_tokens)
-    # Warm-up: first calls pay for allocations and lazy initialisation.
-    _run_ours(pipe, "none", encoded[0], 4)
+    # Warm-up of every method: first calls pay for allocations, lazy initialisation (and on a
+    # GPU, kernel selection), which would otherwise count against whichever method runs first.
+    reference = _run_ours(pipe, "none", encoded[0], WARM_UP_TOKENS)["token_ids"]
+    for method in methods[1:]:  # methods[0] is "none", just run
+        _run_one(pipe, method, encoded[0], WARM_UP_TOKENS, reference)
     runs: dict[tuple[int, str], list[dict[str, Any]]] = {}
     for rep in range(repeats):
         for i, prompt_ids in enumerate(encoded):
-            for method in methods:
-                runner = _run_hf if method in HF_METHODS else _run_ours
-                run = runner(pipe, method, prompt_ids, max_new_tokens)
+            for method in methods:  # "none" first: its tokens are the simulated drafts' truth
+                reference = runs[(i, "none")][-1]["token_ids"] if method != "none" else None
+                run = _run_one(pipe, method, prompt_ids, max_new_tokens, reference)
                 runs.setdefault((i, method), []).append(run)
                 log(f"[{rep + 1}/{repeats}] prompt {i + 1}/{len(encoded)} {method:12s} "
                     f"{run['tokens_per_second']:6.2f} tok/s  {len(run['token_ids'])} tokens")

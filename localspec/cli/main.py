@@ -77,23 +77,26 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     from localspec.cli.bench import (
-        NEEDS_DRAFT,
+        SIMULATED,
         check_methods,
         default_methods,
         format_table,
         load_prompts,
+        needs_draft,
         run_bench,
     )
 
     preset = load_preset(args.preset)
-    if args.methods is None:
+    simulated = [f"{SIMULATED}{a.strip()}" for a in (args.simulate_acceptance or "").split(",")
+                 if a.strip()]
+    if args.methods is None and not simulated:
         methods = default_methods(preset)
     else:
-        methods = check_methods(preset, [m.strip() for m in args.methods.split(",")
-                                         if m.strip()])
+        named = [m.strip() for m in (args.methods or "none").split(",") if m.strip()]
+        methods = check_methods(preset, named + simulated)
     request_settings_for(preset, max_new_tokens=args.max_new_tokens, temperature=0.0)
     prompts = load_prompts(args.prompts)
-    pipe = load_pipeline(preset, need_draft=any(m in NEEDS_DRAFT for m in methods))
+    pipe = load_pipeline(preset, need_draft=any(needs_draft(m) for m in methods))
     report = run_bench(pipe, prompts, methods, args.max_new_tokens, args.repeats, log=_log_line)
     print(json.dumps(report, ensure_ascii=False) if args.json else format_table(report))
     return 0
@@ -180,6 +183,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "hf-lookup, less those needing a draft model the preset lacks)")
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--repeats", type=_count(MAX_BENCH_REPEATS), default=1)
+    bench.add_argument("--simulate-acceptance", default=None, metavar="A[,A...]",
+                       help="also run draft_model@A: the draft model's real cost, but drafts "
+                            "that are the target's own greedy tokens, each kept with "
+                            "probability A (engine overhead at a realistic acceptance, e.g. "
+                            "on random weights); output stays exact")
     bench.set_defaults(func=_cmd_bench)
 
     verify = sub.add_parser("verify", help="check that speculation changes nothing, here")
