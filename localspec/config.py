@@ -218,7 +218,7 @@ def describe_errors(exc: ValidationError, model: type[BaseModel]) -> str:
                          f"{allowed}")
         elif kind == "missing":
             lines.append(f"{parent + ': ' if parent else ''}missing required key '{key}'")
-        elif kind == "model_type" or (kind == "model_attributes_type"):
+        elif kind in ("model_type", "model_attributes_type"):
             lines.append(f"{where} must be a table, got {type(value).__name__}")
         elif kind == "literal_error":
             choices = error.get("ctx", {}).get("expected", "")

@@ -170,9 +170,7 @@ class Pipeline:
         method = method or self.preset.speculative_config.method
         check_method(self.preset, method)
         if method not in self._engines:
-            self._engines[method] = SpeculativeEngine(
-                self._target_runner(), self._make_drafter(method), self._decode,
-                self.eos_token_ids())
+            self._engines[method] = self.engine_with(self._make_drafter(method))
         return self._engines[method]
 
     def request(self, prompt_ids: list[int], stop_strings: tuple[str, ...] = (),
@@ -186,9 +184,9 @@ class Pipeline:
             num_speculative_tokens=r.num_speculative_tokens, adaptive=r.adaptive,
             stop_strings=stop_strings, seed=r.seed)
 
-    def engine_with(self, drafter: Drafter) -> SpeculativeEngine:
-        """An engine over the target's runner with a drafter of the caller's (the benchmark's
-        simulated acceptance); not cached."""
+    def engine_with(self, drafter: Drafter | None) -> SpeculativeEngine:
+        """An engine over the target's runner with ``drafter`` (None: plain decoding); not
+        cached (``engine`` caches one per method)."""
         return SpeculativeEngine(self._target_runner(), drafter, self._decode,
                                  self.eos_token_ids())
 

@@ -25,14 +25,16 @@ from localspec.drafters.simulated import SimulatedDrafter
 from localspec.errors import ConfigError, PresetError
 from localspec.pipeline import Pipeline, check_method
 
-__all__ = ["DEFAULT_METHODS", "HF_METHODS", "OUR_METHODS", "check_methods", "default_methods",
-           "first_difference", "format_table", "load_prompts", "run_bench", "summarise"]
+__all__ = ["DEFAULT_METHODS", "HF_METHODS", "OUR_METHODS", "SIMULATED", "check_methods",
+           "default_methods", "first_difference", "format_table", "load_prompts", "needs_draft",
+           "run_bench", "simulated_acceptance", "summarise"]
 
 HF_METHODS = ("hf-assisted", "hf-lookup", "hf-plain")
 SIMULATED = "draft_model@"  # draft_model@0.8: the draft's cost, acceptance 0.8 (simulated)
 OUR_METHODS = METHODS
 DEFAULT_METHODS = ("none", "draft_model", "ngram", "hf-assisted", "hf-lookup")
 NEEDS_DRAFT = ("draft_model", "hf-assisted")
+WARM_UP_TOKENS = 8  # each method's untimed first run
 
 
 def check_methods(preset: Preset, methods: list[str]) -> list[str]:
@@ -51,9 +53,7 @@ def check_methods(preset: Preset, methods: list[str]) -> list[str]:
     for method in methods:
         if method in OUR_METHODS:
             check_method(preset, method)
-        elif simulated_acceptance(method) is not None:
-            check_method(preset, "draft_model")
-        elif method in NEEDS_DRAFT and preset.draft_spec() is None:
+        elif needs_draft(method) and preset.draft_spec() is None:
             raise PresetError(f"method '{method}' needs a draft model, and preset "
                               f"'{preset.name}' names none in [speculative_config] model")
     return list(dict.fromkeys(["none", *methods]))
@@ -150,9 +150,6 @@ def _run_ours(pipe: Pipeline, method: str, prompt_ids: list[int], max_new: int,
             "wall_time_s": s.wall_time, "acceptance_rate": s.acceptance_rate,
             "mean_accepted_length": s.mean_accepted_length,
             "target_forward_passes": s.target_forward_passes}
-
-
-WARM_UP_TOKENS = 8
 
 
 def _run_one(pipe: Pipeline, method: str, prompt_ids: list[int], max_new: int,
