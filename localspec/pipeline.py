@@ -133,7 +133,7 @@ class Pipeline:
             return self.tokenizer.encode(prompt)
         return self.encode_chat([{"role": "user", "content": prompt}])
 
-    def _target_runner(self) -> ModelRunner:
+    def target_runner(self) -> ModelRunner:
         if self._runner is None:
             self._runner = ModelRunner(self.target.model,
                                        logits_fp32=self.preset.localspec.logits_fp32)
@@ -156,7 +156,7 @@ class Pipeline:
                                    draft_vocab)
         drafter = DraftModelDrafter(
             ModelRunner(self.draft.model, vocab_rows=rows),
-            target_vocab_size=self._target_runner().vocab_size,
+            target_vocab_size=self.target_runner().vocab_size,
             tokenizer_vocab_size=len(self.tokenizer),
             confidence_threshold=self.preset.localspec.draft_confidence_threshold,
         )
@@ -187,7 +187,7 @@ class Pipeline:
     def engine_with(self, drafter: Drafter | None) -> SpeculativeEngine:
         """An engine over the target's runner with ``drafter`` (None: plain decoding); not
         cached (``engine`` caches one per method)."""
-        return SpeculativeEngine(self._target_runner(), drafter, self._decode,
+        return SpeculativeEngine(self.target_runner(), drafter, self._decode,
                                  self.eos_token_ids())
 
     def stream(self, request: GenerationRequest, method: str | None = None,
