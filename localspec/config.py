@@ -31,7 +31,7 @@ from localspec.errors import PresetError, RequestError
 Method = Literal["none", "draft_model", "ngram"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Literal["auto", "cpu", "cuda"]
-Quantization = Literal["none", "int8-weight-only", "bnb-4bit", "bnb-8bit"]
+Quantization = Literal["none", "w8a8", "int8-weight-only", "bnb-4bit", "bnb-8bit"]
 HardwareClass = Literal["cpu", "gpu-8gb", "gpu-12gb", "gpu-16gb", "gpu-24gb", "h100-80gb"]
 
 METHODS: tuple[str, ...] = get_args(Method)
@@ -253,3 +253,10 @@ def request_settings(base: dict[str, Any], overrides: dict[str, Any]) -> Request
         return RequestSettings.model_validate(values)
     except ValidationError as exc:
         raise RequestError(describe_errors(exc, RequestSettings)) from None
+
+
+def unquantized_target(preset: Preset) -> Preset:
+    """``preset`` with its target unquantized in bfloat16: what a quantized target is measured
+    against (``quality``) and compared with (``bench``'s hf-* methods)."""
+    target = preset.target.model_copy(update={"quantization": "none", "dtype": "bfloat16"})
+    return preset.model_copy(update={"target": target})

@@ -135,8 +135,7 @@ class Pipeline:
 
     def target_runner(self) -> ModelRunner:
         if self._runner is None:
-            self._runner = ModelRunner(self.target.model,
-                                       logits_fp32=self.preset.localspec.logits_fp32)
+            self._runner = self.target.runner(logits_fp32=self.preset.localspec.logits_fp32)
         return self._runner
 
     def _decode(self, ids: list[int]) -> str:
@@ -151,11 +150,11 @@ class Pipeline:
         if self.draft is None:
             raise PresetError(f"method 'draft_model' needs a draft model, and this pipeline of "
                               f"preset '{self.preset.name}' was loaded without one")
-        draft_vocab = self.draft.model.get_output_embeddings().weight.shape[0]
+        draft_vocab = self.draft.runner().vocab_size
         rows = frequent_token_rows(self.draft.tokenizer, self.preset.localspec.draft_vocab_size,
                                    draft_vocab)
         drafter = DraftModelDrafter(
-            ModelRunner(self.draft.model, vocab_rows=rows),
+            self.draft.runner(vocab_rows=rows),
             target_vocab_size=self.target_runner().vocab_size,
             tokenizer_vocab_size=len(self.tokenizer),
             confidence_threshold=self.preset.localspec.draft_confidence_threshold,

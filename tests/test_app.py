@@ -520,7 +520,8 @@ def test_switch_reuses_the_target_and_keeps_the_conversation(smol: ChatApp,
     target = smol.host.pipeline.target
     plain = tmp_path / "plain.toml"
     plain.write_text('name = "SmolLM2 plain"\ndescription = "d"\nhardware = "cpu"\n[target]\n'
-                     'model = "smollm2-135m-instruct"\ndtype = "bfloat16"\n[sampling]\n'
+                     'model = "smollm2-135m-instruct"\ndtype = "bfloat16"\nquantization = "w8a8"\n'
+                     '[sampling]\n'
                      "temperature = 0.5\nmax_new_tokens = 77\n", encoding="utf-8")
     out = final(list(smol.switch_preset(str(plain))), SWITCH_OUTPUTS)
     assert "SmolLM2 plain" in out["status"] and "ls-error" not in out["status"]

@@ -40,13 +40,13 @@ def smollm() -> Pipeline:
 
 
 def test_default_pair_greedy_equal_on_real_models(qwen_pair: Pipeline) -> None:
-    """bf16 target + 0.5B draft: draft_model and ngram give the target's own greedy tokens
-    (identical, or differing only at a near-tie of the target's logits, which verify reports)."""
+    """w8a8 target + 0.5B draft: draft_model and ngram give the target's own greedy tokens,
+    bit for bit (a w8a8 verify pass computes each row exactly as a one-token step does)."""
     prompts = [p for p in load_prompts(None)
                if p["category"] in ("code generation", "code editing")]
     results = check_greedy(qwen_pair, prompts[:3], ["draft_model", "ngram"], 40, log=lambda _: None)
     assert all(r["passed"] for r in results), results
-    assert sum(r["identical"] for r in results) >= len(results) - 1, results
+    assert all(r["identical"] for r in results), results
 
 
 def test_real_draft_is_accepted_often(qwen_pair: Pipeline) -> None:

@@ -2,8 +2,11 @@
 
 Methods: our engine's ``none`` (plain decoding, the baseline), ``draft_model`` and ``ngram``;
 transformers' own ``hf-assisted`` (``generate(assistant_model=...)``), ``hf-lookup``
-(``generate(prompt_lookup_num_tokens=...)``) and ``hf-plain`` (plain ``generate``), run on the
-same loaded weights as anchors. Greedy only: that is where "identical to none" is defined.
+(``generate(prompt_lookup_num_tokens=...)``) and ``hf-plain`` (plain ``generate``), run as
+anchors on the same weights — or, when the served target is ``w8a8`` (whose weights live in the
+lean CPU forward, not in a transformers model), on the same target unquantized in bfloat16,
+loaded beside it: the bf16 path, side by side in the same run. Greedy only: that is where
+"identical to none" is defined (an hf-* row on the bf16 target is another model's output).
 Each method runs once on each prompt before any runs twice, so drift in machine speed (heat,
 other processes) spreads over all methods instead of favouring one. Every method, setting and
 prompt is checked before the first run (``check_methods``, ``encode_prompts``): a benchmark
@@ -20,13 +23,14 @@ from typing import Any
 import torch
 
 from localspec.cli.prompts import encode_prompts, load_prompts
-from localspec.config import METHODS, Preset
+from localspec.config import METHODS, Preset, unquantized_target
 from localspec.drafters.simulated import SimulatedDrafter
 from localspec.errors import ConfigError, PresetError
 from localspec.pipeline import Pipeline, check_method
 
 __all__ = ["DEFAULT_METHODS", "HF_METHODS", "OUR_METHODS", "SIMULATED", "check_methods",
-           "default_methods", "first_difference", "format_table", "load_prompts", "needs_draft",
+           "default_methods", "first_difference", "format_table", "hf_pipeline", "load_prompts",
+           "needs_draft",
            "run_bench", "simulated_acceptance", "summarise"]
 
 HF_METHODS = ("hf-assisted", "hf-lookup", "hf-plain")
@@ -102,6 +106,22 @@ class _CallCounter:
         self._handle.remove()
 
 
+def hf_pipeline(pipe: Pipeline, methods: list[str], load: Callable[..., Pipeline]
+                ) -> Pipeline | None:
+    """The pipeline transformers' methods run on: ``pipe`` itself, or for a w8a8 target the
+    same preset with its target in bfloat16 (loaded with ``load``); None if no hf-* method."""
+    hf = [m for m in methods if m in HF_METHODS]
+    if not hf:
+        return None
+    if pipe.target.decoder is None:
+        return pipe
+    preset = unquantized_target(pipe.preset)
+    if preset.speculative_config.quantization == "w8a8":  # hf-assisted needs a transformers draft
+        sc = preset.speculative_config.model_copy(update={"quantization": "none"})
+        preset = preset.model_copy(update={"speculative_config": sc})
+    return load(preset, need_draft=any(needs_draft(m) for m in hf))
+
+
 def _run_hf(pipe: Pipeline, method: str, prompt_ids: list[int], max_new: int) -> dict[str, Any]:
     model = pipe.target.model
     sc = pipe.preset.speculative_config
@@ -152,10 +172,10 @@ def _run_ours(pipe: Pipeline, method: str, prompt_ids: list[int], max_new: int,
             "target_forward_passes": s.target_forward_passes}
 
 
-def _run_one(pipe: Pipeline, method: str, prompt_ids: list[int], max_new: int,
-             reference: list[int] | None) -> dict[str, Any]:
-    if method in HF_METHODS:
-        return _run_hf(pipe, method, prompt_ids, max_new)
+def _run_one(pipe: Pipeline, hf_pipe: Pipeline | None, method: str, prompt_ids: list[int],
+             max_new: int, reference: list[int] | None) -> dict[str, Any]:
+    if method in HF_METHODS and hf_pipe is not None:
+        return _run_hf(hf_pipe, method, prompt_ids, max_new)
     return _run_ours(pipe, method, prompt_ids, max_new, reference)
 
 
@@ -166,26 +186,33 @@ def run_bench(
     max_new_tokens: int,
     repeats: int = 1,
     log: Callable[[str], None] = lambda _line: None,
+    hf_pipe: Pipeline | None = None,
 ) -> dict[str, Any]:
     """Run all methods on all prompts ``repeats`` (>= 1) times; summarise per method.
-    Methods and prompts are checked before the first run."""
+    Methods and prompts are checked before the first run; hf-* methods run on ``hf_pipe``
+    (default: ``pipe``)."""
     methods = check_methods(pipe.preset, methods)
+    hf_pipe = hf_pipe or pipe
     encoded = encode_prompts(pipe, prompts, max_new_tokens)
     # Warm-up of every method: first calls pay for allocations, lazy initialisation (and on a
     # GPU, kernel selection), which would otherwise count against whichever method runs first.
     reference = _run_ours(pipe, "none", encoded[0], WARM_UP_TOKENS)["token_ids"]
     for method in methods[1:]:  # methods[0] is "none", just run
-        _run_one(pipe, method, encoded[0], WARM_UP_TOKENS, reference)
+        _run_one(pipe, hf_pipe, method, encoded[0], WARM_UP_TOKENS, reference)
     runs: dict[tuple[int, str], list[dict[str, Any]]] = {}
     for rep in range(repeats):
         for i, prompt_ids in enumerate(encoded):
             for method in methods:  # "none" first: its tokens are the simulated drafts' truth
                 reference = runs[(i, "none")][-1]["token_ids"] if method != "none" else None
-                run = _run_one(pipe, method, prompt_ids, max_new_tokens, reference)
+                run = _run_one(pipe, hf_pipe, method, prompt_ids, max_new_tokens, reference)
                 runs.setdefault((i, method), []).append(run)
                 log(f"[{rep + 1}/{repeats}] prompt {i + 1}/{len(encoded)} {method:12s} "
                     f"{run['tokens_per_second']:6.2f} tok/s  {len(run['token_ids'])} tokens")
-    return summarise(prompts, methods, runs)
+    report = summarise(prompts, methods, runs)
+    if hf_pipe is not pipe:
+        spec = hf_pipe.preset.target
+        report["hf_target"] = f"{spec.model} ({spec.dtype}, quantization {spec.quantization})"
+    return report
 
 
 def summarise(prompts: list[dict[str, Any]], methods: list[str],
@@ -236,6 +263,9 @@ def format_table(report: dict[str, Any]) -> str:
                      f"{_fmt(r['speedup'], '7.2f')}x {_fmt(r['acceptance_rate'], '7.0%')} "
                      f"{_fmt(r['mean_accepted_length'], '9.2f')}  "
                      f"{'yes' if r['identical_to_none'] else 'NO'}")
+    if "hf_target" in report:
+        lines.append(f"hf-* methods ran on {report['hf_target']}, not the served target: "
+                     "their tokens are that model's")
     lines.append("")
     lines.append("per prompt: tok/s (speedup vs none)")
     methods = list(report["methods"])

@@ -146,7 +146,7 @@ def check_sampling(pipe: Pipeline, prompts: list[dict[str, Any]], positions: int
     temperature = pipe.preset.sampling.temperature or 1.0
     params = SamplingParams(temperature, pipe.preset.sampling.top_k, pipe.preset.sampling.top_p)
     target = pipe.engine("none").target
-    draft_runner = ModelRunner(pipe.draft.model) if pipe.draft is not None else None
+    draft_runner = pipe.draft.runner() if pipe.draft is not None else None
     results = []
     for i, ids in enumerate(encode_prompts(pipe, prompts[:2], 1)):
         positions_i = min(positions, len(ids))

@@ -20,7 +20,7 @@ from localspec.models.hardware import hf_repo_for
 VLLM_METHODS = {"draft_model": "draft_model", "ngram": "ngram"}
 # LocalSpec quantization -> vLLM's (None: vLLM cannot quantize this way on the fly)
 VLLM_QUANTIZATION = {"none": "", "bnb-4bit": "bitsandbytes", "bnb-8bit": None,
-                     "int8-weight-only": None}
+                     "int8-weight-only": None, "w8a8": None}
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Command line: ``python -m localspec generate | bench | verify | presets | export-vllm``.
+"""Command line: ``localspec generate | bench | verify | quality | presets | export-vllm``.
 
 Thin: parse flags, validate them against the preset (no model needed), load a preset into a
 Pipeline, call the engine, benchmark or checker, print. Every flag, method and prompt is checked
@@ -81,6 +81,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         check_methods,
         default_methods,
         format_table,
+        hf_pipeline,
         load_prompts,
         needs_draft,
         run_bench,
@@ -97,7 +98,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     request_settings_for(preset, max_new_tokens=args.max_new_tokens, temperature=0.0)
     prompts = load_prompts(args.prompts)
     pipe = load_pipeline(preset, need_draft=any(needs_draft(m) for m in methods))
-    report = run_bench(pipe, prompts, methods, args.max_new_tokens, args.repeats, log=_log_line)
+    report = run_bench(pipe, prompts, methods, args.max_new_tokens, args.repeats, log=_log_line,
+                       hf_pipe=hf_pipeline(pipe, methods, load_pipeline))
     print(json.dumps(report, ensure_ascii=False) if args.json else format_table(report))
     return 0
 
@@ -113,6 +115,12 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     report = run_checks(pipe, prompts, args.max_new_tokens, log=_log_line)
     print(json.dumps(report, ensure_ascii=False) if args.json else format_report(report))
     return 0 if report["passed"] else 1
+
+
+def _cmd_quality(args: argparse.Namespace) -> int:
+    from localspec.cli.quality import run_quality
+
+    return run_quality(args, log=_log_line)
 
 
 def _cmd_presets(args: argparse.Namespace) -> int:
@@ -195,6 +203,21 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--prompts", default=None, help="JSONL file (default: built-in set)")
     verify.add_argument("--max-new-tokens", type=int, default=64)
     verify.set_defaults(func=_cmd_verify)
+
+    quality = sub.add_parser(
+        "quality", help="how closely the served (maybe quantized) target follows a reference "
+                        "target: top-1 agreement and perplexity, teacher-forced over text")
+    _add_common(quality)
+    quality.add_argument("--against", default=None, metavar="PRESET",
+                         help="compare with this preset's target (default: the same target "
+                              "with no quantization, in bfloat16)")
+    quality.add_argument("--text", action="extend", nargs="+", default=None, metavar="FILE",
+                         help="UTF-8 text files to score (default: built-in Python source and "
+                              "English prose)")
+    quality.add_argument("--max-tokens", type=int, default=2048,
+                         help="read at most the first N tokens of each text (N - 1 scored "
+                              "predictions; default 2048)")
+    quality.set_defaults(func=_cmd_quality)
 
     presets = sub.add_parser("presets", help="list presets and what fits this machine")
     presets.add_argument("--json", action="store_true", help="print one JSON object")

@@ -119,7 +119,10 @@ def count_parameters(arch: Architecture) -> ParameterCount:
 def weight_bytes(arch: Architecture, quantization: str = "none", dtype: str = "auto") -> int:
     """Bytes of weights once loaded: bnb-4bit is NF4 (half a byte) plus one float32 absmax per
     block of 64, bnb-8bit one byte plus a float32 scale per row, int8-weight-only one byte plus a
-    compute-dtype scale per row; embeddings, LM head, norms and biases stay in the dtype."""
+    compute-dtype scale per row; embeddings, LM head, norms and biases stay in the dtype. w8a8
+    (the lean CPU forward) is one byte plus a float32 scale per row for every linear layer, and
+    its LM head is held twice in int8 (packed for oneDNN, and plain for cutting a draft's rows):
+    as many bytes as a bfloat16 head, on top of the embeddings even when they were tied."""
     counts = count_parameters(arch)
     unit = DTYPE_BYTES.get(dtype, 2)
     other = counts.other * unit
@@ -131,6 +134,9 @@ def weight_bytes(arch: Architecture, quantization: str = "none", dtype: str = "a
         return counts.linear + counts.linear_rows * 4 + other
     if quantization == "int8-weight-only":
         return counts.linear + counts.linear_rows * unit + other
+    if quantization == "w8a8":
+        tied_head = arch.vocab_size * arch.hidden_size * 2 if arch.tie_word_embeddings else 0
+        return counts.linear + counts.linear_rows * 4 + other + tied_head
     raise HardwareError(f"no size rule for quantization '{quantization}'")
 
 

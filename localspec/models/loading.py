@@ -39,7 +39,9 @@ from localspec.models.cache import (
     no_progress,
     verify_manifest,
 )
+from localspec.runtime.decoder import LeanDecoder, unsupported_reason
 from localspec.runtime.quant import quantize_int8_weight_only
+from localspec.runtime.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +59,11 @@ class LoadedModel:
     tokenizer: object
     folder: Path
     load_seconds: float
+    decoder: LeanDecoder | None = None  # the lean CPU forward ("w8a8"), else None
+
+    def runner(self, **options: object) -> ModelRunner:
+        """A new runner (its own KV cache) over this model's forward."""
+        return ModelRunner(self.model, decoder=self.decoder, **options)
 
 
 # ----------------------------------------------------------------------------- resolving
@@ -146,7 +153,7 @@ def _quantization_config(quantization: str, dtype: torch.dtype) -> object | None
         raise ModelLoadError(
             f"quantization must be one of {', '.join(QUANTIZATIONS)}, got '{quantization}'"
         )
-    if quantization in ("none", "int8-weight-only"):  # the latter is applied after loading
+    if quantization in ("none", "w8a8", "int8-weight-only"):  # applied after loading
         return None
     if importlib.util.find_spec("bitsandbytes") is None:
         raise ModelLoadError(f"quantization '{quantization}' needs bitsandbytes. Fix: "
@@ -217,6 +224,9 @@ def load_model(spec: ModelSpec, progress: Progress = no_progress) -> LoadedModel
     device = pick_device(spec.device)
     dtype = pick_dtype(spec.dtype, device)
     quantization = _quantization_config(spec.quantization, dtype)
+    if spec.quantization == "w8a8" and device != "cpu":
+        raise ModelLoadError(f"quantization 'w8a8' runs on CPUs; {spec.model} is set to load "
+                             f"on {device}: use 'none' or a bnb quantization there")
     stored = STORAGE_DTYPES[dtype]
     folder = resolve_model(spec, progress, dtype=stored)
     progress(f"loading {spec.model}", 0.0)
@@ -234,10 +244,20 @@ def load_model(spec: ModelSpec, progress: Progress = no_progress) -> LoadedModel
         except (SafetensorError, OSError) as again:
             raise _load_error(spec, folder, again) from again
     model.eval()
+    decoder = None
     if spec.quantization == "int8-weight-only":
         quantize_int8_weight_only(model, skip=("lm_head",))
+    elif spec.quantization == "w8a8":
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ModelLoadError(f"quantization 'w8a8' of {spec.model}: the lean CPU forward "
+                                 f"does not support {reason}. Use 'none' or "
+                                 "'int8-weight-only'")
+        progress(f"quantizing {spec.model} to int8", 0.9)
+        decoder = LeanDecoder(model, "w8a8")
     progress(f"loaded {spec.model}", 1.0)
-    return LoadedModel(spec.model, model, tokenizer, folder, time.perf_counter() - start)
+    return LoadedModel(spec.model, model, tokenizer, folder, time.perf_counter() - start,
+                       decoder)
 
 
 def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:

@@ -1,10 +1,19 @@
-"""Weight-only int8 linear layers for CPU decoding (PyTorch's ``_weight_int8pack_mm`` kernel).
+"""Quantized linear layers for CPU decoding.
 
-Decoding one token is bound by reading weights, so storing them as int8 with one bfloat16
-scale per output row halves the bytes read: on this project's 2-core AMX CPU a 4864x896 matmul
-for one row drops from 0.29 ms (bf16) to 0.12 ms. LocalSpec uses it for the *draft* model by
-default, where it changes only the guesses, never the output (every draft is verified by the
-unquantized target). On a target it is an ordinary, opt-in quantization like bnb-8bit.
+``W8A8Linear`` is the fast one: int8 weights with one scale per output channel, activations
+quantized to 8 bits *per row* (per token) on the fly, the product accumulated in int32 by
+oneDNN (``torch.ops.onednn.qlinear_pointwise``, AMX/VNNI on x86). Why per row: the int32
+accumulation is exact and every scaling is elementwise, so a row's output does not depend on
+which other rows share the call. A verify pass over k+1 tokens then computes, bit for bit, what
+k+1 one-token steps compute, so speculation stays exactly lossless against the quantized model.
+fbgemm's dynamic quantization (``torch.ao``) uses one activation scale per *tensor* instead:
+its output for a token changes with the tokens beside it, and Qwen2.5's outlier activations
+crush everything else in the tensor onto a few levels (top-1 agreement 68%, see the README).
+
+``Int8WeightOnlyLinear`` (``_weight_int8pack_mm``) reads the same bytes but costs more per row:
+fine for a one-token draft step, poor for verifying 16 tokens.
+
+All layers take and return float32 [n, in] -> [n, out].
 """
 
 from __future__ import annotations
@@ -13,15 +22,60 @@ import torch
 from torch import nn
 
 
+def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 weights [out, in] with one float32 scale per output row."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+class W8A8Linear:
+    """y = dequant(int8(x) @ int8(W)^T) + b with per-token activation, per-channel weight scales.
+
+    The activation is quantized as uint8 with zero point 128 and scale 1 after dividing each row
+    by absmax/127; the row's scale is applied to the output afterwards (it commutes with the
+    matmul), so oneDNN sees one static per-tensor scale and every row keeps its own.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                 quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        q, scale = quantize_per_channel(weight) if quantized is None else quantized
+        self.out_features, self.in_features = q.shape
+        self.packed = torch.ops.onednn.qlinear_prepack(q, None)
+        self.weight_scale = scale
+        self.weight_zero = torch.zeros(self.out_features, dtype=torch.int32)
+        self.bias = None if bias is None else bias.detach().float()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        scale = x.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-12).div_(127.0)
+        q = torch.round(x / scale).add_(128.0).to(torch.uint8)
+        y = torch.ops.onednn.qlinear_pointwise(q, 1.0, 128, self.packed, self.weight_scale,
+                                               self.weight_zero, None, 1.0, 0, torch.float32,
+                                               "none", [], "")
+        y.mul_(scale)
+        return y if self.bias is None else y.add_(self.bias)
+
+
+class DenseLinear:
+    """y = x W^T + b in the weight's dtype (bfloat16 here), returned as float32."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight = weight.detach()
+        self.out_features, self.in_features = self.weight.shape
+        self.bias = None if bias is None else bias.detach().to(self.weight.dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x.to(self.weight.dtype), self.weight, self.bias).float()
+
+
 class Int8WeightOnlyLinear(nn.Module):
-    """y = x @ (W_int8 * scale)^T + b, with per-output-row symmetric scales."""
+    """y = x @ (W_int8 * scale)^T + b, with per-output-row symmetric scales (an nn.Module: it
+    replaces nn.Linear inside a Hugging Face model)."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        weight = linear.weight.detach().float()
-        scale = weight.abs().amax(dim=1).clamp(min=1e-8) / 127.0
-        self.register_buffer("weight_int8", torch.round(weight / scale[:, None])
-                             .clamp(-128, 127).to(torch.int8))
+        q, scale = quantize_per_channel(linear.weight)
+        self.register_buffer("weight_int8", q)
         self.register_buffer("scale", scale.to(linear.weight.dtype))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(),
                                                                   requires_grad=False)

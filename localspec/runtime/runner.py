@@ -2,8 +2,9 @@
 
 A runner owns one sequence's KV cache and offers three operations: feed new tokens and get
 their logits (and last hidden states, for feature-level drafters), roll the cache back to a
-length, and reset. Anything that can do that — a Hugging Face causal LM here, a future module
-with 4/8-bit weight-only kernels — can sit under the speculation.
+length, and reset. Two forwards can sit under it: a Hugging Face causal LM with a
+``DynamicCache`` (any architecture, any device), or ``LeanDecoder`` (Llama-family models on a
+CPU: int8 kernels, a static cache whose rollback is a length change).
 
 Why ``logits_fp32``: in bfloat16 a batched verify pass and one-token-at-a-time decoding can
 pick different argmaxes when two logits are close (bf16 logits are spaced 0.125 apart at
@@ -21,6 +22,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
+
+from localspec.runtime.decoder import KVCache, LeanDecoder
 
 
 def refine_top_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -41,11 +44,20 @@ class ModelRunner:
     """One sequence, one cache, logits for the tokens just fed."""
 
     def __init__(self, model: PreTrainedModel, *, logits_fp32: bool = False,
-                 vocab_rows: torch.Tensor | None = None) -> None:
+                 vocab_rows: torch.Tensor | None = None,
+                 decoder: LeanDecoder | None = None) -> None:
         self.model = model
         self.config = model.config
         self.device = model.device
         self.logits_fp32 = logits_fp32
+        self.decoder = decoder
+        self.length = 0
+        self.last_hidden: torch.Tensor | None = None  # [n, hidden] of the last forward
+        if decoder is not None:
+            # int8 logits are exact int32 sums, the same in any batch: no float32 refinement.
+            self.lean_cache: KVCache = decoder.new_cache()
+            self._rows = vocab_rows
+            return
         self.backbone = model.base_model
         self.lm_head = model.get_output_embeddings()
         # float32 logits: re-run the final norm on its float32 input, refine the top logits.
@@ -64,11 +76,11 @@ class ModelRunner:
             self._rows = vocab_rows.to(self.device)
             self._rows_weight = self.lm_head.weight.detach()[self._rows].contiguous()
         self.cache = DynamicCache(config=self.config)
-        self.length = 0
-        self.last_hidden: torch.Tensor | None = None  # [n, hidden] of the last forward
 
     @property
     def vocab_size(self) -> int:
+        if self.decoder is not None:
+            return self.decoder.head.vocab_size
         return int(self.lm_head.weight.shape[0])
 
     @property
@@ -76,7 +88,8 @@ class ModelRunner:
         return int(getattr(self.config, "max_position_embeddings", 0) or 0)
 
     def reset(self) -> None:
-        self.cache = DynamicCache(config=self.config)
+        if self.decoder is None:
+            self.cache = DynamicCache(config=self.config)
         self.length = 0
         self.last_hidden = None
 
@@ -86,6 +99,13 @@ class ModelRunner:
 
         ``logits_to_keep`` limits the LM head to the last positions (prefill needs one).
         """
+        keep = slice(-logits_to_keep, None) if logits_to_keep else slice(None)
+        if self.decoder is not None:
+            ids = torch.tensor(token_ids, dtype=torch.long)
+            hidden = self.decoder.forward(ids, self.lean_cache, self.length)
+            self.length += len(token_ids)
+            self.last_hidden = hidden[keep]
+            return self.decoder.head.logits(self.last_hidden, self._rows)
         ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
         positions = torch.arange(self.length, self.length + len(token_ids), device=self.device)
         captured: list[torch.Tensor] = []
@@ -98,7 +118,6 @@ class ModelRunner:
             if hook is not None:
                 hook.remove()
         self.length += len(token_ids)
-        keep = slice(-logits_to_keep, None) if logits_to_keep else slice(None)
         self.last_hidden = out.last_hidden_state[0, keep]  # [n, hidden]
         if self._norm is not None:
             normed = self._norm(captured[-1][0, keep].float()).float()  # [n, hidden] float32
@@ -112,6 +131,8 @@ class ModelRunner:
 
     def crop(self, length: int) -> None:
         """Roll the cache back so that it holds the first ``length`` tokens."""
-        if length < self.length:
+        if length < self.length and self.decoder is not None:
+            self.length = length  # stale positions are overwritten by the next forward
+        elif length < self.length:
             self.cache.crop(-(self.length - length))  # transformers >= 5: a negative count
             self.length = length
