@@ -39,6 +39,7 @@ from localspec.models.cache import (
     no_progress,
     verify_manifest,
 )
+from localspec.models.lean_store import w8a8_decoder
 from localspec.runtime.decoder import LeanDecoder, unsupported_reason
 from localspec.runtime.quant import quantize_int8_weight_only
 from localspec.runtime.runner import ModelRunner
@@ -253,8 +254,8 @@ def load_model(spec: ModelSpec, progress: Progress = no_progress) -> LoadedModel
             raise ModelLoadError(f"quantization 'w8a8' of {spec.model}: the lean CPU forward "
                                  f"does not support {reason}. Use 'none' or "
                                  "'int8-weight-only'")
-        progress(f"quantizing {spec.model} to int8", 0.9)
-        decoder = LeanDecoder(model, "w8a8")
+        progress(f"int8 weights of {spec.model}", 0.9)
+        decoder = w8a8_decoder(model, folder)
     progress(f"loaded {spec.model}", 1.0)
     return LoadedModel(spec.model, model, tokenizer, folder, time.perf_counter() - start,
                        decoder)

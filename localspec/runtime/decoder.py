@@ -15,7 +15,7 @@ transformers model, which is then emptied of its layer weights so that memory ho
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -33,9 +33,8 @@ CACHE_BLOCK = 256  # the KV cache grows in blocks of this many positions
 # step of plain decoding does (measured: 2 of 6 real prompts diverged at a near-tie without it).
 ROW_ATTENTION_MAX = 128
 
+LINEAR_KINDS = ("w8a8", "dense")
 Linear = Callable[[torch.Tensor], torch.Tensor]
-LINEAR_KINDS: dict[str, Callable[[torch.Tensor, torch.Tensor | None], Linear]] = {
-    "w8a8": W8A8Linear, "dense": DenseLinear}
 
 
 def unsupported_reason(model: PreTrainedModel) -> str | None:
@@ -62,15 +61,46 @@ class _Layer:
     down: Linear
 
 
-def _fuse(linear: Callable, modules: list[nn.Linear]) -> Linear:
+def _fused(kind: str, modules: list[nn.Linear]) -> dict[str, torch.Tensor]:
+    """The tensors of one fused linear layer: int8 rows and scales ("w8a8") or the weight
+    ("dense"), and the bias if any module has one."""
     weight = torch.cat([m.weight.detach() for m in modules])
-    biases = [m.bias for m in modules]
-    if all(b is None for b in biases):
-        bias = None
-    else:
-        bias = torch.cat([torch.zeros(m.out_features, dtype=m.weight.dtype) if m.bias is None
-                          else m.bias.detach() for m in modules])
-    return linear(weight, bias)
+    tensors = dict(zip(("q", "scale"), quantize_per_channel(weight), strict=True)
+                   ) if kind == "w8a8" else {"weight": weight}
+    if any(m.bias is not None for m in modules):
+        tensors["bias"] = torch.cat([torch.zeros(m.out_features) if m.bias is None
+                                     else m.bias.detach().float() for m in modules])
+    return tensors
+
+
+def export_weights(model: PreTrainedModel, kind: str = "w8a8") -> dict[str, torch.Tensor]:
+    """Every tensor the lean forward needs, quantized as ``kind`` says, by name (what
+    ``localspec.models.lean_store`` saves so that later starts skip the quantization). The
+    model's layer weights are released as they are converted."""
+    backbone = model.base_model
+    weights = {"embed": backbone.embed_tokens.weight.detach().clone(),
+               "norm": backbone.norm.weight.detach().float()}
+    for i, layer in enumerate(backbone.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        parts = {"qkv": [attn.q_proj, attn.k_proj, attn.v_proj], "o": [attn.o_proj],
+                 "gate_up": [mlp.gate_proj, mlp.up_proj], "down": [mlp.down_proj]}
+        for name, modules in parts.items():
+            for key, tensor in _fused(kind, modules).items():
+                weights[f"layers.{i}.{name}.{key}"] = tensor
+        weights[f"layers.{i}.norm1"] = layer.input_layernorm.weight.detach().float()
+        weights[f"layers.{i}.norm2"] = layer.post_attention_layernorm.weight.detach().float()
+        _release(layer)
+    for key, tensor in _fused(kind, [model.get_output_embeddings()]).items():
+        weights[f"head.{key}"] = tensor
+    return weights
+
+
+def _linear(weights: Mapping[str, torch.Tensor], prefix: str) -> Linear:
+    bias = weights.get(f"{prefix}.bias")
+    if f"{prefix}.q" in weights:
+        return W8A8Linear(None, bias, quantized=(weights[f"{prefix}.q"],
+                                                 weights[f"{prefix}.scale"]))
+    return DenseLinear(weights[f"{prefix}.weight"], bias)
 
 
 def _release(model: nn.Module) -> None:
@@ -113,10 +143,10 @@ class LMHead:
     packed heads are made once per cut.
     """
 
-    def __init__(self, weight: torch.Tensor, linear: str) -> None:
-        self.linear = linear
-        self.vocab_size = int(weight.shape[0])
-        self.weight = quantize_per_channel(weight) if linear == "w8a8" else (weight,)
+    def __init__(self, weight: tuple[torch.Tensor, ...], linear: str) -> None:
+        self.linear = linear  # weight: (int8 rows, scales) for "w8a8", (dense weight,) else
+        self.vocab_size = int(weight[0].shape[0])
+        self.weight = weight
         self._packed: dict[tuple[int, ...] | None, Linear] = {}
 
     def _part(self, rows: torch.Tensor | None) -> Linear:
@@ -144,40 +174,39 @@ class LeanDecoder:
     dtype). ``head`` computes logits; a runner asks it for the rows it needs.
     """
 
-    def __init__(self, model: PreTrainedModel, linear: str = "w8a8") -> None:
+    def __init__(self, model: PreTrainedModel, linear: str = "w8a8",
+                 weights: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Take ``model``'s weights (quantizing them) or ``weights`` as ``export_weights``
+        names them (then the model's own are never read); either way the model is emptied."""
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the lean forward does not support {reason}")
-        make = LINEAR_KINDS[linear]
+        if linear not in LINEAR_KINDS:
+            raise ValueError(f"linear must be one of {', '.join(LINEAR_KINDS)}, got {linear!r}")
+        if weights is None:
+            weights = export_weights(model, linear)
         config = model.config
-        backbone = model.base_model
-        self.dtype = backbone.embed_tokens.weight.dtype
-        # A copy in ordinary memory: once nothing refers to the checkpoint's memory map, the
-        # pages of the file it was read from stop counting towards this process.
-        self.embed = backbone.embed_tokens.weight.detach().clone()
-        self.rotary = backbone.rotary_emb
+        self.embed = weights["embed"]
+        self.dtype = self.embed.dtype
+        self.rotary = model.base_model.rotary_emb
         self.eps = float(config.rms_norm_eps)
-        self.layers: list[_Layer] = []
-        for layer in backbone.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            self.layers.append(_Layer(
-                norm1=layer.input_layernorm.weight.detach().float(),
-                qkv=_fuse(make, [attn.q_proj, attn.k_proj, attn.v_proj]),
-                o=_fuse(make, [attn.o_proj]),
-                norm2=layer.post_attention_layernorm.weight.detach().float(),
-                gate_up=_fuse(make, [mlp.gate_proj, mlp.up_proj]),
-                down=_fuse(make, [mlp.down_proj]),
-            ))
-            _release(layer)
-        first = backbone.layers[0].self_attn
+        self.layers = [_Layer(norm1=weights[f"layers.{i}.norm1"],
+                              qkv=_linear(weights, f"layers.{i}.qkv"),
+                              o=_linear(weights, f"layers.{i}.o"),
+                              norm2=weights[f"layers.{i}.norm2"],
+                              gate_up=_linear(weights, f"layers.{i}.gate_up"),
+                              down=_linear(weights, f"layers.{i}.down"))
+                       for i in range(config.num_hidden_layers)]
+        first = model.base_model.layers[0].self_attn
         self.head_dim = int(first.head_dim)
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.scaling = float(first.scaling)
-        self.norm = backbone.norm.weight.detach().float()
+        self.norm = weights["norm"]
         self.max_length = int(getattr(config, "max_position_embeddings", 0) or 0)
         self.intermediate = config.intermediate_size
-        self.head = LMHead(model.get_output_embeddings().weight.detach(), linear)
+        self.head = LMHead(tuple(weights[f"head.{k}"] for k in ("q", "scale"))
+                           if linear == "w8a8" else (weights["head.weight"],), linear)
         _release(model)
 
     def new_cache(self) -> KVCache:

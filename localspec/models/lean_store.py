@@ -1,0 +1,152 @@
+"""The w8a8 weights on disk: quantize once, then start from int8.
+
+Quantizing the 1.5B target from bfloat16 takes about half a minute on 2 cores and passes 3 GB
+of float temporaries through memory; reading its int8 tensors back takes a second. So the first
+``w8a8`` load of a model saves what the lean forward holds (int8 rows and scales, norms, the
+embedding) in ``<cache>/w8a8/<folder>-<key>/``, keyed by the source folder's path and the size
+and modification time of its weight files, and every later start reads that instead; the
+transformers model's own weights are then never touched. Tensors are read one at a time and
+packed for oneDNN as they come (plain reads, no memory map), so memory holds the packed copy,
+not the file as well.
+
+The folder carries a manifest like every other cached artefact: a file that fails its
+fingerprint, or that safetensors cannot read, is rebuilt from the source weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from transformers import PreTrainedModel
+
+from localspec.config import cache_root
+from localspec.models.integrity import (
+    MANIFEST_NAME,
+    remove_stale_temps,
+    verify_manifest,
+    write_manifest,
+    writer_tag,
+)
+from localspec.runtime.decoder import LeanDecoder, export_weights
+
+logger = logging.getLogger(__name__)
+
+WEIGHTS_NAME = "lean-w8a8.safetensors"
+FORMAT = "1"  # bump when export_weights' names or layout change
+
+
+def store_dir(folder: Path) -> Path:
+    """Where the w8a8 weights of the model in ``folder`` are kept."""
+    folder = folder.resolve()
+    key = hashlib.sha256(f"{FORMAT}|{folder}".encode())
+    for path in sorted(folder.glob("*.safetensors")):
+        stat = path.stat()
+        key.update(f"|{path.name}|{stat.st_size}|{stat.st_mtime_ns}".encode())
+    return cache_root() / "w8a8" / f"{folder.name}-{key.hexdigest()[:12]}"
+
+
+_DTYPES = {"I8": torch.int8, "F32": torch.float32, "BF16": torch.bfloat16,
+           "F16": torch.float16, "I32": torch.int32}
+
+
+class _FileTensors(Mapping[str, torch.Tensor]):
+    """A safetensors file read one tensor at a time with plain reads, not a memory map: a map
+    would keep every page read so far resident (and counted) until it is closed, on top of
+    the packed copies being built from them."""
+
+    def __init__(self, path: Path) -> None:
+        self._file = path.open("rb")
+        try:
+            size = int.from_bytes(self._read(0, 8), "little")
+            header = json.loads(self._read(8, size))
+            self.metadata = header.pop("__metadata__", {})
+            self._entries = {name: (_DTYPES[e["dtype"]], e["shape"], e["data_offsets"])
+                             for name, e in header.items()}
+        except BaseException:
+            self._file.close()
+            raise
+        self._base = 8 + size
+
+    def _read(self, offset: int, length: int) -> bytes:
+        data = os.pread(self._file.fileno(), length, offset)
+        if len(data) != length:
+            raise OSError(f"{self._file.name}: truncated")
+        return data
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        dtype, shape, (begin, end) = self._entries[name]
+        data = torch.empty(end - begin, dtype=torch.uint8)
+        if end > begin and os.preadv(self._file.fileno(), [data.numpy()],
+                                     self._base + begin) != end - begin:
+            raise OSError(f"{self._file.name}: truncated")
+        return data.view(dtype).reshape(shape)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _save(weights: dict[str, torch.Tensor], out_dir: Path) -> None:
+    """Write the folder atomically: a temp folder renamed into place."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(out_dir.parent)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f"{out_dir.name}.{writer_tag()}.",
+                                suffix=".part"))
+    try:
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / WEIGHTS_NAME),
+                  metadata={"format": FORMAT})
+        write_manifest(tmp / MANIFEST_NAME, [WEIGHTS_NAME])
+        shutil.rmtree(out_dir, ignore_errors=True)
+        tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _from_store(model: PreTrainedModel, out_dir: Path) -> LeanDecoder | None:
+    """The decoder from a stored folder, or None (with the reason logged) if it is unusable."""
+    problem = verify_manifest(out_dir / MANIFEST_NAME)
+    if problem is None:
+        tensors = None
+        try:
+            tensors = _FileTensors(out_dir / WEIGHTS_NAME)
+            if tensors.metadata.get("format") == FORMAT:
+                return LeanDecoder(model, "w8a8", tensors)
+            problem = "another format"
+        except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
+            problem = f"unreadable ({exc.__class__.__name__}: {exc})"
+        finally:
+            if tensors is not None:
+                tensors.close()
+    if out_dir.exists():
+        logger.warning("cached w8a8 weights %s: %s; quantizing again", out_dir, problem)
+    return None
+
+
+def w8a8_decoder(model: PreTrainedModel, folder: Path) -> LeanDecoder:
+    """The lean w8a8 forward of ``model`` (loaded from ``folder``): from the store when it
+    holds a sound copy, else quantized now and stored for the next start."""
+    out_dir = store_dir(folder)
+    decoder = _from_store(model, out_dir)
+    if decoder is not None:
+        return decoder
+    weights = export_weights(model, "w8a8")
+    try:
+        _save(weights, out_dir)
+    except OSError as exc:  # a full or read-only disk costs the next start time, nothing else
+        logger.warning("could not store w8a8 weights in %s: %s", out_dir, exc)
+    return LeanDecoder(model, "w8a8", weights)
