@@ -15,6 +15,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config
 
+from localspec.cli.main import main
 from localspec.engine.engine import GenerationRequest, SpeculativeEngine, StepEvent
 from localspec.runtime.runner import ModelRunner
 
@@ -231,3 +232,23 @@ def presets(tiny_folders: dict[str, Path], tmp_path_factory: pytest.TempPathFact
     return {"draft": write_preset(folder, tiny_folders["target"], tiny_folders["draft"]),
             "ngram": write_preset(folder, tiny_folders["target"]),
             "no-template": write_preset(plain, saved_model_dir)}
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """main(args) in-process: (exit status, stdout, stderr); argparse's exits included."""
+    try:
+        code = main(list(args))
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_user_error(result: tuple[int, str, str], *needles: str) -> None:
+    code, _, err = result
+    assert code == 2, err
+    assert "Traceback" not in err
+    last = err.replace("\r", "\n").strip().splitlines()[-1]  # after any progress bar
+    assert last.startswith("localspec: error: ") and err.count("localspec:") == 1, err
+    for needle in needles:
+        assert needle in err, (needle, err)

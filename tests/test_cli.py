@@ -15,9 +15,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import assert_user_error, run_cli
 
 from localspec.cli.bench import check_methods, default_methods
-from localspec.cli.main import main
 from localspec.cli.prompts import load_prompts
 from localspec.config import MAX_NEW_TOKENS, MAX_SEED
 from localspec.errors import InputFileError
@@ -42,26 +42,6 @@ def no_loading(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("a model was loaded before the flags were checked")
 
     monkeypatch.setattr(Pipeline, "load", refuse)
-
-
-def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    """main(args) in-process: (exit status, stdout, stderr); argparse's exits included."""
-    try:
-        code = main(list(args))
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def assert_user_error(result: tuple[int, str, str], *needles: str) -> None:
-    code, _, err = result
-    assert code == 2, err
-    assert "Traceback" not in err
-    last = err.replace("\r", "\n").strip().splitlines()[-1]  # after any progress bar
-    assert last.startswith("localspec: error: ") and err.count("localspec:") == 1, err
-    for needle in needles:
-        assert needle in err, (needle, err)
 
 
 # ----------------------------------------------------------------------------- generate flags

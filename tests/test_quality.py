@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import write_preset
+from conftest import assert_user_error, run_cli, write_preset
 from transformers import AutoModelForCausalLM
 
-from localspec.cli.main import main
 from localspec.cli.quality import (
     AGREEMENT_GOAL,
     Text,
@@ -50,25 +49,6 @@ def other_preset(tiny_folders: dict[str, Path], tmp_path_factory: pytest.TempPat
                  ) -> str:
     """A preset whose target is a perturbed copy of the tiny target (same tokenizer)."""
     return write_preset(tmp_path_factory.mktemp("other"), tiny_folders["draft"])
-
-
-def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    try:
-        code = main(["quality", *args])
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def assert_user_error(result: tuple[int, str, str], *needles: str) -> None:
-    code, _, err = result
-    assert code == 2, err
-    assert "Traceback" not in err
-    last = err.replace("\r", "\n").strip().splitlines()[-1]
-    assert last.startswith("localspec: error: ") and err.count("localspec:") == 1, err
-    for needle in needles:
-        assert needle in err, (needle, err)
 
 
 # ----------------------------------------------------------------------------- scoring
@@ -114,7 +94,8 @@ def test_a_model_against_itself_agrees_everywhere(presets: dict[str, str]) -> No
 
 def test_cli_against_itself_and_json(capsys: pytest.CaptureFixture[str],
                                      presets: dict[str, str], code_file: str) -> None:
-    code, out, _ = run_cli(capsys, "--preset", presets["ngram"], "--against", presets["draft"],
+    code, out, _ = run_cli(capsys, "quality",
+                           "--preset", presets["ngram"], "--against", presets["draft"],
                            "--text", code_file, "--max-tokens", "64", "--json")
     assert code == 0
     report = json.loads(out)
@@ -129,7 +110,8 @@ def test_cli_against_itself_and_json(capsys: pytest.CaptureFixture[str],
 def test_a_different_model_disagrees(capsys: pytest.CaptureFixture[str],
                                      presets: dict[str, str], other_preset: str,
                                      code_file: str) -> None:
-    code, out, err = run_cli(capsys, "--preset", other_preset, "--against", presets["ngram"],
+    code, out, err = run_cli(capsys, "quality",
+                             "--preset", other_preset, "--against", presets["ngram"],
                              "--text", code_file, code_file, "--max-tokens", "100", "--json")
     assert code == 0, err
     report = json.loads(out)
@@ -149,7 +131,7 @@ def test_default_reference_is_bfloat16_unquantized(capsys: pytest.CaptureFixture
     reference = unquantized_target(preset)
     assert (reference.target.dtype, reference.target.quantization) == ("bfloat16", "none")
     assert reference.target.model == preset.target.model and not same_target(preset, reference)
-    code, out, err = run_cli(capsys, "--preset", presets["ngram"])
+    code, out, err = run_cli(capsys, "quality", "--preset", presets["ngram"])
     assert code == 0, err
     assert "each text is cut to 256" in err
     lines = out.splitlines()
@@ -185,18 +167,20 @@ def test_bad_text_files_are_exit_2_before_loading(capsys: pytest.CaptureFixture[
     latin.write_bytes("café".encode("latin-1"))
     for path, needle in ((tmp_path / "gone.txt", "No such file"), (tmp_path, "cannot read"),
                          (empty, "empty"), (blank, "empty"), (latin, "not UTF-8")):
-        assert_user_error(run_cli(capsys, "--preset", presets["ngram"], "--text", code_file,
+        assert_user_error(run_cli(capsys, "quality",
+                                  "--preset", presets["ngram"], "--text", code_file,
                                   "--text", str(path)), str(path), needle)
 
 
 @pytest.mark.usefixtures("no_loading")
 def test_bad_flags_and_presets_are_exit_2_before_loading(capsys: pytest.CaptureFixture[str],
                                                          presets: dict[str, str]) -> None:
-    assert_user_error(run_cli(capsys, "--preset", "no-such-preset"), "unknown preset")
-    assert_user_error(run_cli(capsys, "--preset", presets["ngram"], "--against", "nope"),
+    assert_user_error(run_cli(capsys, "quality", "--preset", "no-such-preset"), "unknown preset")
+    assert_user_error(run_cli(capsys, "quality", "--preset", presets["ngram"], "--against", "nope"),
                       "unknown preset 'nope'")
     for value in ("1", "0", "-5"):
-        assert_user_error(run_cli(capsys, "--preset", presets["ngram"], "--max-tokens", value),
+        assert_user_error(run_cli(capsys, "quality",
+                                  "--preset", presets["ngram"], "--max-tokens", value),
                           "--max-tokens must be between 2")
 
 
@@ -204,7 +188,8 @@ def test_text_of_one_token_is_exit_2(capsys: pytest.CaptureFixture[str],
                                      presets: dict[str, str], tmp_path: Path) -> None:
     short = tmp_path / "short.txt"
     short.write_text("a", encoding="utf-8")
-    assert_user_error(run_cli(capsys, "--preset", presets["ngram"], "--text", str(short)),
+    assert_user_error(run_cli(capsys, "quality",
+                              "--preset", presets["ngram"], "--text", str(short)),
                       "short.txt", "at least 2")
 
 

@@ -28,13 +28,18 @@ def _read_text(path: str | None) -> tuple[str, str]:
     if path is None:
         text = resources.files("localspec").joinpath("data/bench_prompts.jsonl").read_text("utf-8")
         return text, BUILTIN
+    return read_user_text(path, "prompts file"), path
+
+
+def read_user_text(path: str, what: str) -> str:
+    """A user's UTF-8 file (an editor's byte-order mark is no error); InputFileError that
+    names the file, what it is for and, for bad bytes, the line."""
     try:
         data = Path(path).expanduser().read_bytes()
     except OSError as exc:  # missing, a directory, no permission
-        raise InputFileError(f"{path}: cannot read the prompts file: "
-                             f"{exc.strerror or exc}") from exc
+        raise InputFileError(f"{path}: cannot read the {what}: {exc.strerror or exc}") from exc
     try:
-        return data.decode("utf-8-sig"), path  # an editor's byte-order mark is no error
+        return data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         line = data[: exc.start].count(b"\n") + 1
         raise InputFileError(f"{path} line {line}: not UTF-8 text (byte "

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from localspec.cli.loading import load_pipeline
+from localspec.cli.prompts import read_user_text
 from localspec.config import Preset, unquantized_target
 from localspec.errors import ConfigError, InputFileError, PresetError
 from localspec.pipeline import Pipeline
@@ -98,16 +99,7 @@ def read_texts(paths: Sequence[str] | None) -> list[Text]:
                 for name in BUILTIN_TEXTS]
     texts = []
     for path in paths:
-        try:
-            data = Path(path).expanduser().read_bytes()
-        except OSError as exc:  # missing, a directory, no permission
-            raise InputFileError(f"{path}: cannot read the text file: "
-                                 f"{exc.strerror or exc}") from exc
-        try:
-            content = data.decode("utf-8-sig")
-        except UnicodeDecodeError as exc:
-            raise InputFileError(f"{path}: not UTF-8 text (byte 0x{data[exc.start]:02x} at "
-                                 f"offset {exc.start}); save the file as UTF-8") from exc
+        content = read_user_text(path, "text file")
         if not content.strip():
             raise InputFileError(f"{path}: the text file is empty (or only whitespace): "
                                  "nothing to score")
