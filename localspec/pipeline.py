@@ -150,9 +150,8 @@ class Pipeline:
         if self.draft is None:
             raise PresetError(f"method 'draft_model' needs a draft model, and this pipeline of "
                               f"preset '{self.preset.name}' was loaded without one")
-        draft_vocab = self.draft.runner().vocab_size
         rows = frequent_token_rows(self.draft.tokenizer, self.preset.localspec.draft_vocab_size,
-                                   draft_vocab)
+                                   self.draft.vocab_size)
         drafter = DraftModelDrafter(
             self.draft.runner(vocab_rows=rows),
             target_vocab_size=self.target_runner().vocab_size,

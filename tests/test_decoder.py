@@ -246,7 +246,7 @@ def test_w8a8_linear_close_to_float_linear() -> None:
     q, scale = quantize_per_channel(weight)
     assert q.dtype == torch.int8 and (q.abs().amax(dim=1) == 127).all()
     torch.testing.assert_close(scale, weight.abs().amax(dim=1) / 127)
-    layer = W8A8Linear(weight, None)
+    layer = W8A8Linear.from_float(weight)
     out = layer(x)
     reference = F.linear(x, weight)
     assert out.dtype == torch.float32 and out.shape == (8, 96)
@@ -261,7 +261,7 @@ def test_w8a8_linear_rows_are_independent() -> None:
     scales: a per-tensor scale would crush the normal row onto a few levels) and stays
     accurate; the outlier crushes only its own row."""
     weight, _, x = _linear_data(torch.Generator().manual_seed(1))
-    layer = W8A8Linear(weight, None)
+    layer = W8A8Linear.from_float(weight)
     row = x[:1]
     outlier = x[1:2].clone()
     outlier[0, 17] *= 1000.0
@@ -277,7 +277,7 @@ def test_w8a8_linear_bias() -> None:
     """The bias is added after dequantization, in float32: output = biasless output + bias,
     and a zero input row gives exactly the bias."""
     weight, bias, x = _linear_data(torch.Generator().manual_seed(2))
-    biased, plain = W8A8Linear(weight, bias), W8A8Linear(weight, None)
+    biased, plain = W8A8Linear.from_float(weight, bias), W8A8Linear.from_float(weight)
     torch.testing.assert_close(biased(x) - plain(x), bias.expand(8, -1), rtol=0, atol=1e-5)
     reference = F.linear(x, weight, bias)
     assert float((biased(x) - reference).norm() / reference.norm()) < 0.02

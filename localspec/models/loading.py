@@ -62,6 +62,13 @@ class LoadedModel:
     load_seconds: float
     decoder: LeanDecoder | None = None  # the lean CPU forward ("w8a8"), else None
 
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the LM head (the tokenizer's vocabulary plus any padding)."""
+        if self.decoder is not None:
+            return self.decoder.head.vocab_size
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
     def runner(self, **options: object) -> ModelRunner:
         """A new runner (its own KV cache) over this model's forward."""
         return ModelRunner(self.model, decoder=self.decoder, **options)

@@ -98,8 +98,7 @@ def export_weights(model: PreTrainedModel, kind: str = "w8a8") -> dict[str, torc
 def _linear(weights: Mapping[str, torch.Tensor], prefix: str) -> Linear:
     bias = weights.get(f"{prefix}.bias")
     if f"{prefix}.q" in weights:
-        return W8A8Linear(None, bias, quantized=(weights[f"{prefix}.q"],
-                                                 weights[f"{prefix}.scale"]))
+        return W8A8Linear(weights[f"{prefix}.q"], weights[f"{prefix}.scale"], bias)
     return DenseLinear(weights[f"{prefix}.weight"], bias)
 
 
@@ -149,17 +148,20 @@ class LMHead:
         self.weight = weight
         self._packed: dict[tuple[int, ...] | None, Linear] = {}
 
-    def _part(self, rows: torch.Tensor | None) -> Linear:
+    def part(self, rows: torch.Tensor | None) -> Linear:
+        """The head cut to ``rows`` (all when None), packed once per cut."""
         key = None if rows is None else tuple(rows.tolist())
         if key not in self._packed:
             parts = tuple(t if rows is None else t[rows].contiguous() for t in self.weight)
-            self._packed[key] = (W8A8Linear(None, None, quantized=parts)
+            self._packed[key] = (W8A8Linear(*parts)
                                  if self.linear == "w8a8" else DenseLinear(parts[0], None))
         return self._packed[key]
 
-    def logits(self, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """Float32 logits [n, vocab]; outside ``rows`` (when given) they are -inf."""
-        sub = self._part(rows)(hidden)
+    def logits(self, hidden: torch.Tensor, rows: torch.Tensor | None = None,
+               part: Linear | None = None) -> torch.Tensor:
+        """Float32 logits [n, vocab]; outside ``rows`` (when given) they are -inf. ``part`` is
+        ``part(rows)`` if the caller kept it (finding a cut by its rows costs a hash of them)."""
+        sub = (part or self.part(rows))(hidden)
         if rows is None:
             return sub
         logits = torch.full((hidden.shape[0], self.vocab_size), float("-inf"))

@@ -37,14 +37,18 @@ class W8A8Linear:
     matmul), so oneDNN sees one static per-tensor scale and every row keeps its own.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
-                 quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        q, scale = quantize_per_channel(weight) if quantized is None else quantized
+    def __init__(self, q: torch.Tensor, weight_scale: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> None:
+        """From int8 rows ``q`` [out, in] and their float32 scales (``quantize_per_channel``)."""
         self.out_features, self.in_features = q.shape
         self.packed = torch.ops.onednn.qlinear_prepack(q, None)
-        self.weight_scale = scale
+        self.weight_scale = weight_scale
         self.weight_zero = torch.zeros(self.out_features, dtype=torch.int32)
         self.bias = None if bias is None else bias.detach().float()
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> W8A8Linear:
+        return cls(*quantize_per_channel(weight), bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         scale = x.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-12).div_(127.0)

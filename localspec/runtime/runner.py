@@ -57,6 +57,7 @@ class ModelRunner:
             # int8 logits are exact int32 sums, the same in any batch: no float32 refinement.
             self.lean_cache: KVCache = decoder.new_cache()
             self._rows = vocab_rows
+            self._head = decoder.head.part(vocab_rows)
             return
         self.backbone = model.base_model
         self.lm_head = model.get_output_embeddings()
@@ -105,7 +106,7 @@ class ModelRunner:
             hidden = self.decoder.forward(ids, self.lean_cache, self.length)
             self.length += len(token_ids)
             self.last_hidden = hidden[keep]
-            return self.decoder.head.logits(self.last_hidden, self._rows)
+            return self.decoder.head.logits(self.last_hidden, self._rows, self._head)
         ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
         positions = torch.arange(self.length, self.length + len(token_ids), device=self.device)
         captured: list[torch.Tensor] = []
