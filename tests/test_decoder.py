@@ -516,3 +516,15 @@ def test_w8a8_store_is_reused_and_rebuilt_when_damaged(saved_model_dir: Path,
     store.write_bytes(bytes(data))
     assert torch.equal(load_model(spec).runner().forward(ids), first)
     assert calls == [1]  # the damage was seen and the weights quantized again
+
+
+def test_store_of_an_older_format_is_replaced(saved_model_dir: Path) -> None:
+    """A new store removes what an earlier format left for the same model folder."""
+    from localspec.models import lean_store
+
+    current = lean_store.store_dir(saved_model_dir)
+    stale = current.with_name(current.name.rsplit("-", 1)[0] + "-0123456789ab")
+    stale.mkdir(parents=True)
+    (stale / lean_store.WEIGHTS_NAME).write_bytes(b"old")
+    load_model(ModelSpec(str(saved_model_dir), dtype="bfloat16", quantization="w8a8"))
+    assert (current / lean_store.WEIGHTS_NAME).is_file() and not stale.exists()

@@ -15,6 +15,7 @@ fingerprint, or that safetensors cannot read, is rebuilt from the source weights
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import logging
@@ -115,6 +116,11 @@ def _save(weights: dict[str, torch.Tensor], out_dir: Path) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    # what an earlier format or an earlier version of the source left behind (a folder of
+    # the same name elsewhere loses its copy too, and is quantized again when next loaded)
+    for old in out_dir.parent.glob(f"{glob.escape(out_dir.name.rsplit('-', 1)[0])}-*"):
+        if old != out_dir and old.is_dir() and not old.name.endswith(".part"):
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def _from_store(model: PreTrainedModel, out_dir: Path) -> LeanDecoder | None:
