@@ -145,3 +145,27 @@ def test_bimodal_acceptance_is_seen_per_position() -> None:
     assert min(rates[1:]) > 0.95
     assert controller.expected_tokens(8) > 4.0
     assert controller.choose() == 8
+
+
+def test_stalled_first_steps_do_not_keep_drafting_off() -> None:
+    """Two steps slowed 20x by something else on the CPU (measured on a bench prompt): the
+    first probe that runs at the true cost brings drafting back at once."""
+    controller = AdaptiveK(k_max=12)
+    controller.update(drafted=12, accepted=0, draft_time=12 * 0.5, verify_time=1.8)
+    controller.update(drafted=3, accepted=2, draft_time=3.0, verify_time=0.8)
+    choices = []
+    for _ in range(12):  # drafts cost 0.035 s and are accepted; a verify pass 0.09 s
+        k = controller.choose()
+        choices.append(k)
+        controller.update(drafted=k, accepted=k, draft_time=k * 0.035, verify_time=0.09)
+    first = next(i for i, k in enumerate(choices) if k)
+    assert first <= 8 and all(choices[first + 1:]), choices
+
+
+def test_one_stall_while_drafting_pays_does_not_stop_drafting() -> None:
+    controller = AdaptiveK(k_max=8)
+    for _ in range(20):
+        controller.update(drafted=6, accepted=5, draft_time=6 * 0.035, verify_time=0.1)
+    controller.update(drafted=6, accepted=5, draft_time=6 * 2.0, verify_time=5.0)
+    assert controller.choose() >= 3
+    assert controller.draft_cost() < 0.035 * 1.5

@@ -13,6 +13,11 @@ when long drafts pay. We estimate
   * c_draft from measured draft time per drafted token;
   * c_verify(n) = a + b * n from measured verify times, by least squares with forgetting
     (a forward pass over 1 to 16 tokens costs nearly the same on a CPU: b is small),
+and we keep both robust to stalls: a time can only be too long (another program took the CPU,
+a first call set up its kernels), so a step slower than STALL_FACTOR times the estimate counts
+as that bound, and one faster than half the estimate replaces the history it contradicts.
+Without this, two slow steps at the start of a reply once made drafting look 20x dearer than
+it was and kept it off, probes and all, for the whole reply (0.54x plain on a bench prompt),
 and choose the k in [0, k_max] with the best E[tokens] / cost. k = 0 is plain decoding, which
 wins when the drafter keeps missing: then drafting stops, so speculation is never slower than
 plain decoding by more than the probes. A probe follows a run of plain
@@ -28,6 +33,7 @@ from dataclasses import dataclass, field
 FIRST_PROBE_INTERVAL = 8  # plain steps before drafting is tried again
 MAX_PROBE_INTERVAL = 128
 PROBE_BUDGET = 0.5  # a probe's drafts cost at most this share of a verify pass
+STALL_FACTOR = 3.0  # a measured time counts as at most this many times its estimate
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -106,9 +112,19 @@ class AdaptiveK:
             for j in range(tested):
                 self._tested[j] += 1.0
                 self._passed[j] += float(j < accepted)
+            per_token, estimate = draft_time / drafted, self.draft_cost()
+            if estimate is not None and per_token < 0.5 * estimate:
+                self._draft_time = self._draft_count = 0.0  # the history was stalled
+            elif estimate is not None:
+                draft_time = drafted * min(per_token, STALL_FACTOR * estimate)
             self._draft_time = d * self._draft_time + draft_time
             self._draft_count = d * self._draft_count + drafted
         n = drafted + 1
+        predicted = self.verify_cost(n)
+        if predicted is not None and verify_time < 0.5 * predicted:
+            self._w = self._sn = self._st = self._snn = self._snt = 0.0
+        elif predicted is not None:
+            verify_time = min(verify_time, STALL_FACTOR * predicted)
         self._w = d * self._w + 1.0
         self._sn = d * self._sn + n
         self._st = d * self._st + verify_time
