@@ -494,28 +494,38 @@ def test_load_w8a8_builds_lean_decoder(saved_model_dir: Path) -> None:
 
 def test_w8a8_store_is_reused_and_rebuilt_when_damaged(saved_model_dir: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """The first w8a8 load stores its int8 weights; the next reads them (no quantization) and
-    gives the same logits; a damaged store is quantized again, never read as garbage."""
-    from localspec.models import lean_store
+    """The first w8a8 load stores its int8 weights; the next reads them (no quantization,
+    and the float weights are never loaded: an empty model tree with the real config and
+    generation settings) and gives the same logits; a damaged store is quantized again, never
+    read as garbage."""
+    from localspec.models import lean_store, loading
 
     spec = ModelSpec(str(saved_model_dir), dtype="bfloat16", quantization="w8a8")
     ids = list(range(3, 40))
-    first = load_model(spec).runner().forward(ids)
+    original = load_model(spec)
+    first = original.runner().forward(ids)
     store = lean_store.store_dir(saved_model_dir) / lean_store.WEIGHTS_NAME
     assert store.is_file()
 
-    calls: list[int] = []
+    calls: list[str] = []
     real_export = lean_store.export_weights
     monkeypatch.setattr(lean_store, "export_weights",
-                        lambda *a, **k: calls.append(1) or real_export(*a, **k))
-    assert torch.equal(load_model(spec).runner().forward(ids), first)
-    assert calls == []  # read from the store
+                        lambda *a, **k: calls.append("quantize") or real_export(*a, **k))
+    real_load = loading.AutoModelForCausalLM.from_pretrained
+    monkeypatch.setattr(loading.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: calls.append("float weights") or real_load(*a, **k))
+    again = load_model(spec)
+    assert torch.equal(again.runner().forward(ids), first)
+    assert calls == []  # read from the store, nothing else
+    for settings in ("generation_config", "config"):
+        assert getattr(again.model, settings).to_dict() == getattr(original.model,
+                                                                   settings).to_dict()
 
     data = bytearray(store.read_bytes())
     data[len(data) // 2] ^= 0xFF
     store.write_bytes(bytes(data))
     assert torch.equal(load_model(spec).runner().forward(ids), first)
-    assert calls == [1]  # the damage was seen and the weights quantized again
+    assert calls == ["float weights", "quantize"]  # the damage was seen: quantized again
 
 
 def test_store_of_an_older_format_is_replaced(saved_model_dir: Path) -> None:

@@ -143,6 +143,12 @@ def _from_store(model: PreTrainedModel, out_dir: Path) -> LeanDecoder | None:
     return None
 
 
+def stored_decoder(model: PreTrainedModel, folder: Path) -> LeanDecoder | None:
+    """The lean w8a8 forward of the model in ``folder`` from its stored int8 weights (``model``
+    may be an emptied skeleton: only its config and rotary tables are used), or None."""
+    return _from_store(model, store_dir(folder))
+
+
 def w8a8_decoder(model: PreTrainedModel, folder: Path) -> LeanDecoder:
     """The lean w8a8 forward of ``model`` (loaded from ``folder``): from the store when it
     holds a sound copy, else quantized now and stored for the next start."""

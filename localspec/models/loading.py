@@ -26,7 +26,13 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PreTrainedModel,
+)
 
 from localspec.config import DEVICES, DTYPES, QUANTIZATIONS, ModelSpec
 from localspec.errors import ModelLoadError
@@ -39,8 +45,8 @@ from localspec.models.cache import (
     no_progress,
     verify_manifest,
 )
-from localspec.models.lean_store import w8a8_decoder
-from localspec.runtime.decoder import LeanDecoder, unsupported_reason
+from localspec.models.lean_store import stored_decoder, w8a8_decoder
+from localspec.runtime.decoder import LeanDecoder, release_weights, unsupported_reason
 from localspec.runtime.quant import quantize_int8_weight_only
 from localspec.runtime.runner import ModelRunner
 
@@ -225,6 +231,44 @@ def _load_folder(spec: ModelSpec, folder: Path, device: str, dtype: torch.dtype,
     return tokenizer, model
 
 
+def _skeleton(folder: Path, dtype: torch.dtype) -> PreTrainedModel | None:
+    """The model's module tree with empty weights (its config, rotary tables and generation
+    settings are real), for a forward whose weights come from elsewhere; None when the model
+    holds state the lean forward would miss (a buffer other than the rotary tables)."""
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
+    backbone = model.base_model
+    rotary = getattr(backbone, "rotary_emb", None)
+    if rotary is None:
+        return None
+    backbone.rotary_emb = type(rotary)(config=config)  # its tables computed on the CPU
+    if any(buffer.is_meta for buffer in model.buffers()):
+        return None
+    release_weights(model)
+    if (folder / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(folder)
+    return model.eval()
+
+
+def _from_w8a8_store(spec: ModelSpec, folder: Path, dtype: torch.dtype
+                     ) -> tuple[object, PreTrainedModel, LeanDecoder] | None:
+    """Tokenizer, emptied model and decoder when ``folder``'s int8 weights are stored: the
+    float weights are then never read (a second start of the 1.5B reads 1.5 GB, not 4.5)."""
+    try:
+        model = _skeleton(folder, dtype)
+        if model is None or unsupported_reason(model) is not None:
+            return None
+        decoder = stored_decoder(model, folder)
+        if decoder is None:
+            return None
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # the full load says what is wrong
+        logger.info("no quick w8a8 start for %s: %s", spec.model, exc)
+        return None
+    return tokenizer, model, decoder
+
+
 def load_model(spec: ModelSpec, progress: Progress = no_progress) -> LoadedModel:
     """Resolve, then load model and tokenizer in the requested dtype/device/quantization.
     A cached conversion that fails to load (damage its fingerprint missed) is rebuilt once."""
@@ -238,6 +282,11 @@ def load_model(spec: ModelSpec, progress: Progress = no_progress) -> LoadedModel
     stored = STORAGE_DTYPES[dtype]
     folder = resolve_model(spec, progress, dtype=stored)
     progress(f"loading {spec.model}", 0.0)
+    if spec.quantization == "w8a8" and (quick := _from_w8a8_store(spec, folder, dtype)):
+        tokenizer, model, decoder = quick
+        progress(f"loaded {spec.model}", 1.0)
+        return LoadedModel(spec.model, model, tokenizer, folder, time.perf_counter() - start,
+                           decoder)
     try:
         tokenizer, model = _load_folder(spec, folder, device, dtype, quantization)
     except (SafetensorError, OSError) as exc:
