@@ -86,16 +86,16 @@ class Pipeline:
             if previous.draft is not None and (spec := previous.preset.draft_spec()) is not None:
                 loaded[spec] = previous.draft
 
-        def get(spec: ModelSpec) -> LoadedModel:
+        def get(spec: ModelSpec, share_tokenizer: LoadedModel | None = None) -> LoadedModel:
             if spec not in loaded:
-                loaded[spec] = load_model(spec, **kwargs)
+                loaded[spec] = load_model(spec, share_tokenizer=share_tokenizer, **kwargs)
             return loaded[spec]
 
         target = get(preset.target_spec())
         draft_spec = preset.draft_spec()
         draft = None
         if draft_spec is not None and load_draft:
-            draft = get(draft_spec)
+            draft = get(draft_spec, share_tokenizer=target)
             check_same_tokenizer(target, draft)
         return cls(preset, target, draft)
 

@@ -538,3 +538,20 @@ def test_store_of_an_older_format_is_replaced(saved_model_dir: Path) -> None:
     (stale / lean_store.WEIGHTS_NAME).write_bytes(b"old")
     load_model(ModelSpec(str(saved_model_dir), dtype="bfloat16", quantization="w8a8"))
     assert (current / lean_store.WEIGHTS_NAME).is_file() and not stale.exists()
+
+
+def test_draft_shares_the_targets_tokenizer_only_when_its_files_are_the_same(
+        saved_model_dir: Path, tmp_path: Path) -> None:
+    """A draft folder with byte-identical tokenizer files reuses the target's tokenizer (one
+    tokenizer load fewer per start); a changed file gets its own."""
+    import shutil
+
+    target = load_model(ModelSpec(str(saved_model_dir), dtype="bfloat16", quantization="w8a8"))
+    twin = tmp_path / "twin"
+    shutil.copytree(saved_model_dir, twin)
+    spec = ModelSpec(str(twin), dtype="bfloat16", quantization="w8a8")
+    assert load_model(spec, share_tokenizer=target).tokenizer is target.tokenizer
+    config = twin / "tokenizer_config.json"
+    config.write_text(config.read_text().replace("}", ', "model_max_length": 77}', 1))
+    other = load_model(spec, share_tokenizer=target).tokenizer
+    assert other is not target.tokenizer and other.model_max_length == 77

@@ -208,13 +208,30 @@ def _load_error(spec: ModelSpec, folder: Path, exc: Exception) -> ModelLoadError
                           f"({exc}). Fix: {fix}")
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model")
+
+
+def _load_tokenizer(folder: Path, share: LoadedModel | None) -> object:
+    """``share``'s tokenizer when ``folder`` holds byte for byte the same tokenizer files (a
+    draft of the target's family: one second saved at every start), else a new one."""
+    if share is not None and share.folder != folder and all(
+            (folder / name).is_file() == (share.folder / name).is_file()
+            and (not (folder / name).is_file()
+                 or (folder / name).read_bytes() == (share.folder / name).read_bytes())
+            for name in TOKENIZER_FILES):
+        return share.tokenizer
+    return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+
+
 def _load_folder(spec: ModelSpec, folder: Path, device: str, dtype: torch.dtype,
-                 quantization: object | None) -> tuple[object, PreTrainedModel]:
+                 quantization: object | None, share: LoadedModel | None = None
+                 ) -> tuple[object, PreTrainedModel]:
     """Tokenizer and model from ``folder``. A damaged file's SafetensorError or OSError
     propagates so that the caller can rebuild a cached folder; other failures are
     ModelLoadErrors here."""
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+        tokenizer = _load_tokenizer(folder, share)
         model = AutoModelForCausalLM.from_pretrained(
             folder,
             dtype=dtype,
@@ -251,7 +268,7 @@ def _skeleton(folder: Path, dtype: torch.dtype) -> PreTrainedModel | None:
     return model.eval()
 
 
-def _from_w8a8_store(spec: ModelSpec, folder: Path, dtype: torch.dtype
+def _from_w8a8_store(spec: ModelSpec, folder: Path, dtype: torch.dtype, share: LoadedModel | None
                      ) -> tuple[object, PreTrainedModel, LeanDecoder] | None:
     """Tokenizer, emptied model and decoder when ``folder``'s int8 weights are stored: the
     float weights are then never read (a second start of the 1.5B reads 1.5 GB, not 4.5)."""
@@ -262,15 +279,17 @@ def _from_w8a8_store(spec: ModelSpec, folder: Path, dtype: torch.dtype
         decoder = stored_decoder(model, folder)
         if decoder is None:
             return None
-        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+        tokenizer = _load_tokenizer(folder, share)
     except (OSError, ValueError, KeyError, TypeError) as exc:  # the full load says what is wrong
         logger.info("no quick w8a8 start for %s: %s", spec.model, exc)
         return None
     return tokenizer, model, decoder
 
 
-def load_model(spec: ModelSpec, progress: Progress = no_progress) -> LoadedModel:
-    """Resolve, then load model and tokenizer in the requested dtype/device/quantization.
+def load_model(spec: ModelSpec, progress: Progress = no_progress,
+               share_tokenizer: LoadedModel | None = None) -> LoadedModel:
+    """Resolve, then load model and tokenizer in the requested dtype/device/quantization
+    (the tokenizer of ``share_tokenizer`` when its files are the same).
     A cached conversion that fails to load (damage its fingerprint missed) is rebuilt once."""
     start = time.perf_counter()
     device = pick_device(spec.device)
@@ -282,13 +301,15 @@ def load_model(spec: ModelSpec, progress: Progress = no_progress) -> LoadedModel
     stored = STORAGE_DTYPES[dtype]
     folder = resolve_model(spec, progress, dtype=stored)
     progress(f"loading {spec.model}", 0.0)
-    if spec.quantization == "w8a8" and (quick := _from_w8a8_store(spec, folder, dtype)):
+    if spec.quantization == "w8a8" and (quick := _from_w8a8_store(spec, folder, dtype,
+                                                                  share_tokenizer)):
         tokenizer, model, decoder = quick
         progress(f"loaded {spec.model}", 1.0)
         return LoadedModel(spec.model, model, tokenizer, folder, time.perf_counter() - start,
                            decoder)
     try:
-        tokenizer, model = _load_folder(spec, folder, device, dtype, quantization)
+        tokenizer, model = _load_folder(spec, folder, device, dtype, quantization,
+                                        share_tokenizer)
     except (SafetensorError, OSError) as exc:
         if not _is_cached_conversion(spec.model):
             raise _load_error(spec, folder, exc) from exc
@@ -297,7 +318,8 @@ def load_model(spec: ModelSpec, progress: Progress = no_progress) -> LoadedModel
         progress(message, 0.0)
         folder = resolve_model(spec, progress, rebuild=True, dtype=stored)
         try:
-            tokenizer, model = _load_folder(spec, folder, device, dtype, quantization)
+            tokenizer, model = _load_folder(spec, folder, device, dtype, quantization,
+                                        share_tokenizer)
         except (SafetensorError, OSError) as again:
             raise _load_error(spec, folder, again) from again
     model.eval()
