@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from localspec.engine.adaptive import AdaptiveK, expected_tokens
+from localspec.engine.adaptive import DRAFT_MARGIN, FIRST_K, AdaptiveK, expected_tokens
 
 
 @pytest.mark.parametrize(
@@ -24,9 +24,28 @@ def test_expected_tokens(alpha: float, k: int, expected: float) -> None:
     assert expected_tokens(alpha, k) == pytest.approx(expected)
 
 
-def test_no_measurements_explores_k_max() -> None:
-    """Before any step has been measured, choose() returns k_max."""
-    assert AdaptiveK(k_max=7).choose() == 7
+def test_no_measurements_explores_a_moderate_k() -> None:
+    """Before any step has been measured, choose() returns FIRST_K (or k_max if smaller)."""
+    assert AdaptiveK(k_max=7).choose() == FIRST_K
+    assert AdaptiveK(k_max=2).choose() == 2
+
+
+def test_drafting_that_barely_pays_is_left_off() -> None:
+    """One draft accepted 2 times in 3, costing half a verify pass (and the verify of 2 tokens
+    10% dearer than of 1): ~1.66 tokens for 1.6 passes' time, better than plain decoding by
+    less than the margin, so k = 0; accepted 4 times in 5, drafting clearly pays."""
+    def controller(pattern: list[int]) -> AdaptiveK:
+        c = AdaptiveK(k_max=1, alpha_prior=0.5)
+        for step in range(100):
+            c.update(drafted=1, accepted=pattern[step % len(pattern)], draft_time=0.05,
+                     verify_time=0.11)
+            c.update(drafted=0, accepted=0, draft_time=0.0, verify_time=0.1)
+        return c
+
+    barely = controller([1, 1, 0])
+    assert 1.0 < barely.expected_tokens(1) / (0.05 + 0.11) * 0.1 < 1.0 + DRAFT_MARGIN
+    assert barely.choose() == 0
+    assert controller([1, 1, 1, 1, 0]).choose() == 1
 
 
 def test_disabled_always_returns_k_max() -> None:

@@ -34,6 +34,11 @@ FIRST_PROBE_INTERVAL = 8  # plain steps before drafting is tried again
 MAX_PROBE_INTERVAL = 128
 PROBE_BUDGET = 0.5  # a probe's drafts cost at most this share of a verify pass
 STALL_FACTOR = 3.0  # a measured time counts as at most this many times its estimate
+FIRST_K = 4  # drafts of the first step, before anything is measured
+# Drafting must promise this much more than plain decoding: estimates err, and a draft step
+# that merely breaks even loses to plain once its errors are paid (a chat reply at 50%
+# acceptance drafted one token every few steps and ran at 0.93x plain).
+DRAFT_MARGIN = 0.05
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -136,9 +141,11 @@ class AdaptiveK:
             return self.k_max
         c_draft, c_verify_1 = self.draft_cost(), self.verify_cost(1)
         if c_draft is None or c_verify_1 is None:
-            return self.k_max  # nothing measured yet: explore the full length
-        best_k, best_rate = 0, 0.0
-        for k in range(self.k_max + 1):
+            # nothing measured yet: a moderate first draft (the first tokens of a reply are
+            # the least predictable; 12 wrong guesses of a draft model cost ~0.5 s here)
+            return min(self.k_max, FIRST_K)
+        best_k, best_rate = 0, (1.0 + DRAFT_MARGIN) / c_verify_1
+        for k in range(1, self.k_max + 1):
             cost = k * c_draft + (self.verify_cost(k + 1) or c_verify_1)
             rate = self.expected_tokens(k) / cost
             if rate > best_rate * 1.0001:
