@@ -28,7 +28,7 @@ from localspec.errors import PresetError, RequestError
 
 # ----------------------------------------------------------------------------- names
 
-Method = Literal["none", "draft_model", "ngram"]
+Method = Literal["none", "draft_model", "ngram", "eagle", "eagle3", "medusa"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Literal["auto", "cpu", "cuda"]
 Quantization = Literal["none", "w8a8", "int8-weight-only", "bnb-4bit", "bnb-8bit"]
@@ -42,6 +42,9 @@ HARDWARE: tuple[str, ...] = get_args(HardwareClass)
 HARDWARE_LABELS = {"cpu": "CPU", "gpu-8gb": "GPU 8 GB", "gpu-12gb": "GPU 12 GB",
                    "gpu-16gb": "GPU 16 GB", "gpu-24gb": "GPU 24 GB", "h100-80gb": "H100 80 GB"}
 DEFAULT_PRESET = "cpu-qwen-coder-draft"
+# Methods that draft from the target's hidden features with a head named in
+# [speculative_config] model (a folder or a Hugging Face repo id), as vLLM names them.
+HEAD_METHODS: tuple[str, ...] = ("eagle", "eagle3", "medusa")
 
 
 
@@ -97,7 +100,7 @@ class SpeculativeConfig(BaseModel):
     model_config = _STRICT
 
     method: Method = "none"
-    model: NonEmpty | None = None  # the draft model (method "draft_model")
+    model: NonEmpty | None = None  # the draft model ("draft_model") or head (HEAD_METHODS)
     num_speculative_tokens: SpecTokens = 5
     prompt_lookup_max: LookupN = 4
     prompt_lookup_min: LookupN = 1
@@ -107,6 +110,9 @@ class SpeculativeConfig(BaseModel):
     def _consistent(self) -> SpeculativeConfig:
         if self.method == "draft_model" and not self.model:
             raise ValueError("method 'draft_model' needs 'model' (the draft model to load)")
+        if self.method in HEAD_METHODS and not self.model:
+            raise ValueError(f"method '{self.method}' needs 'model' (the draft head to load: a "
+                             "folder or a Hugging Face repo id)")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError("need prompt_lookup_min <= prompt_lookup_max, got "
                              f"{self.prompt_lookup_min} > {self.prompt_lookup_max}")
@@ -169,8 +175,9 @@ class Preset(BaseModel):
         return ModelSpec(t.model, dtype=t.dtype, device=t.device, quantization=t.quantization)
 
     def draft_spec(self) -> ModelSpec | None:
+        """The draft model to load (None when ``model`` is absent or names a head)."""
         sc = self.speculative_config
-        if sc.model is None:
+        if sc.model is None or sc.method in HEAD_METHODS:
             return None
         return ModelSpec(sc.model, dtype=self.localspec.draft_dtype, device=self.target.device,
                          quantization=sc.quantization)

@@ -1,7 +1,9 @@
 """A loaded preset: target and draft models, and engines for each method over them.
 
 The CLI, the benchmark and the app all go through here, so a model is loaded once and shared by
-every method ("none", "draft_model", "ngram") that a comparison runs.
+every method ("none", "draft_model", "ngram") that a comparison runs. A feature-level method
+("eagle", "eagle3", "medusa") loads its head from ``[speculative_config] model`` when its engine
+is first asked for; the head shares the target's runner (it reads its features).
 
 What a request or a method choice may be is decided from the preset alone
 (``request_settings_for``, ``check_method``), before any model is loaded: a typo in a flag must
@@ -18,10 +20,21 @@ from dataclasses import dataclass, field
 from jinja2.exceptions import TemplateError
 from transformers import PreTrainedTokenizerBase
 
-from localspec.config import METHODS, ModelSpec, Preset, RequestSettings, request_settings
+from localspec.config import (
+    HEAD_METHODS,
+    METHODS,
+    ModelSpec,
+    Preset,
+    RequestSettings,
+    request_settings,
+)
 from localspec.drafters.base import Drafter
 from localspec.drafters.draft_model import DraftModelDrafter, frequent_token_rows
+from localspec.drafters.eagle import EagleDrafter
+from localspec.drafters.head_files import read_head
+from localspec.drafters.head_layouts import load_eagle_head, load_medusa_heads
 from localspec.drafters.lookup_first import LookupFirstDrafter
+from localspec.drafters.medusa import MedusaDrafter
 from localspec.drafters.ngram import NgramDrafter
 from localspec.engine.engine import GenerationRequest, SpeculativeEngine, StepEvent
 from localspec.engine.stats import GenerationStats
@@ -40,6 +53,11 @@ def check_method(preset: Preset, method: str) -> None:
     if method == "draft_model" and preset.draft_spec() is None:
         raise PresetError(f"method 'draft_model' needs a draft model, and preset "
                           f"'{preset.name}' names none in [speculative_config] model")
+    sc = preset.speculative_config
+    if method in HEAD_METHODS and sc.method != method:
+        raise PresetError(f"method '{method}' needs a head made for this target in "
+                          f"[speculative_config] model, and preset '{preset.name}' is set up "
+                          f"for method '{sc.method}': use a preset with method = \"{method}\"")
 
 
 def request_settings_for(preset: Preset, **overrides: object) -> RequestSettings:
@@ -147,6 +165,8 @@ class Pipeline:
             return None
         if method == "ngram":
             return NgramDrafter(sc.prompt_lookup_max, sc.prompt_lookup_min)
+        if method in HEAD_METHODS:
+            return self._make_head_drafter(method)
         if self.draft is None:
             raise PresetError(f"method 'draft_model' needs a draft model, and this pipeline of "
                               f"preset '{self.preset.name}' was loaded without one")
@@ -162,6 +182,17 @@ class Pipeline:
             return LookupFirstDrafter(NgramDrafter(sc.prompt_lookup_max, sc.prompt_lookup_min),
                                       drafter)
         return drafter
+
+    def _make_head_drafter(self, method: str) -> Drafter:
+        """An EAGLE, EAGLE-3 or Medusa drafter over the target's runner, its head read from
+        ``[speculative_config] model`` (ModelLoadError if it is not a head for this target)."""
+        files = read_head(self.preset.speculative_config.model or "")
+        runner = self.target_runner()
+        threshold = self.preset.localspec.draft_confidence_threshold
+        if method == "medusa":
+            return MedusaDrafter(load_medusa_heads(files, runner), runner, threshold)
+        head, layers = load_eagle_head(files, method, runner)
+        return EagleDrafter(head, runner, layers, threshold)
 
     def engine(self, method: str | None = None) -> SpeculativeEngine:
         """The engine for ``method`` (default: the preset's), sharing the target's runner."""

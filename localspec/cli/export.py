@@ -13,11 +13,12 @@ import json
 import shlex
 from dataclasses import dataclass
 
-from localspec.config import Preset, SpeculativeConfig
+from localspec.config import HEAD_METHODS, Preset, SpeculativeConfig
 from localspec.models.hardware import hf_repo_for
 
 # LocalSpec method name -> vLLM's speculative_config "method"
-VLLM_METHODS = {"draft_model": "draft_model", "ngram": "ngram"}
+VLLM_METHODS = {"draft_model": "draft_model", "ngram": "ngram", "eagle": "eagle",
+                "eagle3": "eagle3", "medusa": "medusa"}
 # LocalSpec quantization -> vLLM's (None: vLLM cannot quantize this way on the fly)
 VLLM_QUANTIZATION = {"none": "", "bnb-4bit": "bitsandbytes", "bnb-8bit": None,
                      "int8-weight-only": None, "w8a8": None}
@@ -47,6 +48,8 @@ def speculative_config_for_vllm(sc: SpeculativeConfig, notes: list[str]) -> dict
         elif quant is None:
             notes.append(f"draft quantization '{sc.quantization}' has no vLLM equivalent: "
                          "dropped (the draft runs unquantized)")
+    if sc.method in HEAD_METHODS and sc.model:  # a Hub id or folder, as vLLM takes it
+        config["model"] = sc.model
     if sc.method == "ngram":
         config["prompt_lookup_max"] = sc.prompt_lookup_max
         config["prompt_lookup_min"] = sc.prompt_lookup_min

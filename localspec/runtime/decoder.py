@@ -244,6 +244,15 @@ class LeanDecoder:
     def forward(self, ids: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
         """Feed ``ids`` [n] at positions start..start+n-1; return final-normed hidden [n, d]
         in float32. Positions from ``start`` on are overwritten in ``cache``."""
+        return self.forward_features(ids, cache, start, ())[0]
+
+    @torch.inference_mode()
+    def forward_features(self, ids: torch.Tensor, cache: KVCache, start: int,
+                         layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``forward``, plus the hidden states entering each of ``layers`` (numbered as Hugging
+        Face's ``hidden_states``: 0 the embeddings, ``len(self.layers)`` the final normed
+        output), concatenated: [n, len(layers) * d] float32, None when ``layers`` is empty.
+        What a feature-level drafter (EAGLE-3's low, middle and high layers) reads."""
         n = ids.shape[0]
         end = start + n
         cache.reserve(end)
@@ -262,7 +271,10 @@ class LeanDecoder:
             rotated = torch.cat((-t[..., half:], t[..., :half]), dim=-1)
             return t * cos + rotated * sin
 
+        entering: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
+            if i in layers:
+                entering[i] = x  # x is rebound below, never written in place
             qkv = layer.qkv(self._rms(x, layer.norm1))
             q = qkv[:, :q_size].view(n, self.heads, self.head_dim).transpose(0, 1)
             k = qkv[:, q_size:q_size + kv_size].view(n, self.kv_heads, self.head_dim)
@@ -275,4 +287,8 @@ class LeanDecoder:
             gate_up = layer.gate_up(self._rms(x, layer.norm2))
             x = x + layer.down(F.silu(gate_up[:, :self.intermediate])
                                * gate_up[:, self.intermediate:])
-        return self._rms(x, self.norm)
+        hidden = self._rms(x, self.norm)
+        if not layers:
+            return hidden, None
+        entering[len(self.layers)] = hidden
+        return hidden, torch.cat([entering[i] for i in layers], dim=-1)

@@ -14,6 +14,13 @@ LM head and then recompute in float32 only the logits within a safe margin of ea
 maximum. The argmax and the top of the distribution are then float32-exact at bf16 cost;
 ``localspec verify`` measures what near-ties remain.
 
+Feature-level drafters (EAGLE, EAGLE-3, Medusa) draft from the target's hidden states of the
+tokens it has already verified. ``record_features`` names the layers they read; from then on
+every forward keeps those rows per position, like keys and values, so that a drafter reads the
+features of the verify pass the engine already ran (and of a prompt fed with
+``logits_to_keep=1``): no extra target forward. Crop and reset need nothing more, since rows
+past ``length`` are stale and overwritten by the next forward.
+
 The runner deliberately does not sample, verify or tokenize.
 """
 
@@ -24,6 +31,8 @@ from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
 from localspec.runtime.decoder import KVCache, LeanDecoder
+
+FEATURE_BLOCK = 256  # the feature store grows by at least this many positions
 
 
 def refine_top_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -53,6 +62,9 @@ class ModelRunner:
         self.decoder = decoder
         self.length = 0
         self.last_hidden: torch.Tensor | None = None  # [n, hidden] of the last forward
+        self.feature_layers: tuple[int, ...] | None = None  # see record_features
+        self._features: torch.Tensor | None = None  # [capacity, len(feature_layers) * hidden]
+        self._features_from = 0  # positions before this were fed while not recording
         if decoder is not None:
             # int8 logits are exact int32 sums, the same in any batch: no float32 refinement.
             self.lean_cache: KVCache = decoder.new_cache()
@@ -88,11 +100,72 @@ class ModelRunner:
     def max_length(self) -> int:
         return int(getattr(self.config, "max_position_embeddings", 0) or 0)
 
+    @property
+    def num_layers(self) -> int:
+        return int(self.config.num_hidden_layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config.hidden_size)
+
     def reset(self) -> None:
         if self.decoder is None:
             self.cache = DynamicCache(config=self.config)
         self.length = 0
         self.last_hidden = None
+        self._features_from = 0
+
+    def record_features(self, layers: tuple[int, ...] | None) -> None:
+        """From the next forward on, keep for every token fed the hidden states entering each of
+        ``layers``, concatenated (numbered as Hugging Face's ``hidden_states``: 0 is the
+        embeddings, ``num_layers`` the final normed output the LM head reads). None stops."""
+        if layers is not None and (not layers or any(
+                not 0 <= i <= self.num_layers for i in layers)):
+            raise ValueError(f"feature layers must be 0..{self.num_layers}, got {layers}")
+        if layers != self.feature_layers:
+            self._features = None
+            self._features_from = self.length
+        self.feature_layers = layers
+
+    def features(self, start: int, end: int) -> torch.Tensor:
+        """Recorded features [end - start, len(feature_layers) * hidden] of the cached
+        positions start..end-1."""
+        if self._features is None or not self._features_from <= start <= end <= self.length:
+            raise ValueError(f"no recorded features for positions {start}..{end - 1} (recorded "
+                             f"from {self._features_from} to {self.length - 1})")
+        return self._features[start:end]
+
+    def _keep_features(self, start: int, rows: torch.Tensor) -> None:
+        """Write ``rows`` [n, width] at positions start..; the store grows by doubling."""
+        end = start + rows.shape[0]
+        store = self._features
+        if store is None or store.shape[0] < end:
+            capacity = max(end, FEATURE_BLOCK, 2 * store.shape[0] if store is not None else 0)
+            grown = rows.new_empty((capacity, rows.shape[1]))
+            if store is not None:
+                grown[: store.shape[0]] = store
+            self._features = store = grown
+        store[start:end] = rows.to(store.dtype)
+
+    def embedding_weight(self) -> torch.Tensor:
+        """The input embedding table [vocab, hidden] (a drafter embeds its tokens with it)."""
+        if self.decoder is not None:
+            return self.decoder.embed
+        return self.model.get_input_embeddings().weight
+
+    @torch.inference_mode()
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head on hidden states [n, hidden] that did not come from a forward (an EAGLE
+        head's predicted features): float32 logits [n, vocab]; no cache is touched."""
+        if self.decoder is not None:
+            return self.decoder.head.logits(hidden.float(), self._rows, self._head)
+        if self._rows_weight is not None:
+            sub = torch.nn.functional.linear(hidden.to(self._rows_weight.dtype),
+                                             self._rows_weight).float()
+            logits = torch.full((sub.shape[0], self.vocab_size), float("-inf"), device=self.device)
+            logits[:, self._rows] = sub
+            return logits
+        return self.lm_head(hidden.to(self.lm_head.weight.dtype)).float()
 
     @torch.inference_mode()
     def forward(self, token_ids: list[int], logits_to_keep: int | None = None) -> torch.Tensor:
@@ -101,9 +174,15 @@ class ModelRunner:
         ``logits_to_keep`` limits the LM head to the last positions (prefill needs one).
         """
         keep = slice(-logits_to_keep, None) if logits_to_keep else slice(None)
+        layers = self.feature_layers
         if self.decoder is not None:
             ids = torch.tensor(token_ids, dtype=torch.long)
-            hidden = self.decoder.forward(ids, self.lean_cache, self.length)
+            if layers is None:
+                hidden = self.decoder.forward(ids, self.lean_cache, self.length)
+            else:
+                hidden, features = self.decoder.forward_features(ids, self.lean_cache,
+                                                                 self.length, layers)
+                self._keep_features(self.length, features)
             self.length += len(token_ids)
             self.last_hidden = hidden[keep]
             return self.decoder.head.logits(self.last_hidden, self._rows, self._head)
@@ -114,10 +193,16 @@ class ModelRunner:
                 if self._norm is not None else None)
         try:
             out = self.backbone(input_ids=ids, cache=self.cache, use_cache=True,
-                                position_ids=positions.unsqueeze(0))
+                                position_ids=positions.unsqueeze(0),
+                                output_hidden_states=layers is not None and any(
+                                    i < self.num_layers for i in layers))
         finally:
             if hook is not None:
                 hook.remove()
+        if layers is not None:  # hidden_states[num_layers] is last_hidden_state
+            self._keep_features(self.length, torch.cat(
+                [out.last_hidden_state[0] if i == self.num_layers else out.hidden_states[i][0]
+                 for i in layers], dim=-1))
         self.length += len(token_ids)
         self.last_hidden = out.last_hidden_state[0, keep]  # [n, hidden]
         if self._norm is not None:
@@ -137,3 +222,4 @@ class ModelRunner:
         elif length < self.length:
             self.cache.crop(-(self.length - length))  # transformers >= 5: a negative count
             self.length = length
+        self._features_from = min(self._features_from, self.length)

@@ -1,0 +1,136 @@
+"""EAGLE / EAGLE-3 drafter: a one-layer head drafts from the target's own hidden features.
+
+Where the features come from: the drafter asks the target's runner to record, for every token
+it feeds, the hidden states the head reads (``ModelRunner.record_features``): the final normed
+state for EAGLE, the states entering three layers (low, middle, high) for EAGLE-3. The engine's
+verify pass feeds the pending token and the drafts; after it, the runner holds the features of
+every token it kept. So the next ``propose`` reads the features of exactly the accepted tokens
+from the pass the engine already ran: no extra target forward. The prompt's features come from
+the engine's prefill the same way (the runner records every row, whatever ``logits_to_keep``).
+
+How the head keeps in step: head position i reads the feature of token i and the embedding of
+token i + 1, and stands in for the feature of token i + 1. Its own KV cache holds the positions
+built from real target features; on each ``propose`` it drops its speculative positions, feeds
+the real features it has not seen (the accepted tokens; the whole prompt the first time, timed
+as ``sync_time``), and then drafts autoregressively, feeding its own output back in place of
+the feature it cannot have. Like the draft-model drafter it finds what it may keep by comparing
+token lists, so the engine never tells it what was rejected.
+
+EAGLE-3's layers are those vLLM and the EAGLE authors read: the states entering layers 2,
+L // 2 and L - 3 of an L-layer target (or ``eagle_config.eagle_aux_hidden_state_layer_ids``).
+Drafting is one chain (no draft tree); sampled drafts come from the head's distribution, the q
+the verifier needs, so output is exact. The drafter does not load checkpoints
+(``head_layouts``) and does not verify.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from localspec.drafters.base import Proposal
+from localspec.drafters.eagle_head import EagleHead, HeadCache
+from localspec.engine.verify import SamplingParams, logits_to_probs, sample
+from localspec.runtime.runner import ModelRunner
+
+CATCH_UP_SPLIT = 4  # more positions than this to catch up on go in a timed pass of their own
+
+
+def eagle3_layers(num_layers: int) -> tuple[int, int, int]:
+    """The target layers EAGLE-3 fuses by default: low, middle, high (vLLM's choice)."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+class EagleDrafter:
+    """Drafts k tokens with an EAGLE or EAGLE-3 head over ``target``'s recorded features."""
+
+    def __init__(self, head: EagleHead, target: ModelRunner,
+                 aux_layers: tuple[int, ...] | None = None,
+                 confidence_threshold: float = 0.0) -> None:
+        self.head = head
+        self.target = target
+        self.name = head.spec.kind  # "eagle" | "eagle3"
+        if head.spec.kind == "eagle3":
+            self.feature_layers = aux_layers or eagle3_layers(target.num_layers)
+        else:
+            self.feature_layers = (target.num_layers,)
+        self.confidence_threshold = confidence_threshold
+        self.cache = HeadCache(head.spec, head.fc.weight.dtype, head.fc.weight.device)
+        # The context at the last propose: head positions 0..len - 2 hold real features.
+        self._tokens: list[int] = []
+        target.record_features(self.feature_layers)
+
+    def reset(self) -> None:
+        """Forget the sequence; ask the target (again: it may serve other drafters) for the
+        features this head reads, before the engine's prefill."""
+        self.target.record_features(self.feature_layers)
+        self._tokens = []
+
+    def _keep(self, context: list[int], last: int) -> int:
+        """How many head positions built from real features are still right for ``context``
+        (position i read tokens 0..i+1), leaving at least one to feed for an output. Those
+        past it, the drafts', are overwritten."""
+        common = 0
+        limit = min(len(self._tokens), len(context))
+        while common < limit and self._tokens[common] == context[common]:
+            common += 1
+        return max(0, min(common - 1, last))
+
+    def _step(self, hidden: torch.Tensor, ids: list[int], start: int,
+              from_target: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Head pass over len(ids) positions from ``start``; (for logits, next input) rows."""
+        embeds = self.head.embed(torch.tensor(ids, device=self.cache.device),
+                                 self.target.embedding_weight())
+        return self.head(hidden, embeds, start, self.cache, from_target)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[1, h] -> float32 logits [vocab_target]."""
+        if self.head.lm_head is None:
+            return self.target.head_logits(hidden)[0]
+        return self.head.draft_logits(hidden, self.target.vocab_size)[0]
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        context: list[int],
+        k: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+    ) -> Proposal:
+        last = len(context) - 2  # the target holds context[:-1]: features up to position last
+        if k <= 0 or last < 0 or self.target.length <= last:
+            return Proposal([])
+        start = self._keep(context, last)
+        features = self.target.features(start, last + 1)  # [last + 1 - start, width]
+        ids = context[start + 1 : last + 2]
+        sync_time = 0.0
+        if len(ids) > CATCH_UP_SPLIT:  # a prompt: timed apart from the drafting
+            began = time.perf_counter()
+            self._step(features[:-1], ids[:-1], start, from_target=True)
+            sync_time = time.perf_counter() - began
+            features, ids, start = features[-1:], ids[-1:], last
+        for_logits, hidden = self._step(features, ids, start, from_target=True)
+        self._tokens = list(context)
+        for_logits, hidden = for_logits[-1:], hidden[-1:]  # [1, h] each
+
+        tokens: list[int] = []
+        q_rows: list[torch.Tensor] = []
+        confidences: list[float] = []
+        for j in range(k):
+            logits = self._logits(for_logits)
+            if params.greedy:
+                probs = torch.softmax(logits, dim=-1)
+                token = int(probs.argmax())
+            else:
+                probs = logits_to_probs(logits[None], params)[0]
+                token = sample(probs, generator)
+            if tokens and float(probs.max()) < self.confidence_threshold:
+                break
+            tokens.append(token)
+            q_rows.append(probs)
+            confidences.append(float(probs[token]))
+            if j + 1 < k:  # its own output stands in for the feature it cannot have
+                for_logits, hidden = self._step(hidden, [token], last + 1 + j, from_target=False)
+        q_draft = None if params.greedy else torch.stack(q_rows)
+        return Proposal(tokens, q_draft, tuple(confidences), sync_time)

@@ -1,0 +1,140 @@
+"""Medusa drafter: K heads on the target's last hidden state, head i guessing i + 1 tokens past
+the one the target is about to consume.
+
+Medusa (Cai et al., 2024) puts K small heads on the target's final hidden state. The target's
+own LM head at the last verified token predicts the next token (the "pending" token the
+engine feeds next); head i predicts the token after that plus i more. Each head is a stack of
+residual blocks ``x + SiLU(W x + b)``, initialised to the identity (W = 0, b = 0), and an LM
+head of its own (or, in the earliest checkpoints, the target's). A draft costs K small matmuls
+and no pass of any model, so its heads cannot see the drafts before them: acceptance falls
+with the head index. The features come from the target's verify pass through
+``ModelRunner.record_features`` (its final normed output, what the LM head reads).
+
+Lossless like every drafter here: the drafts are verified by the target as usual. Medusa's
+own "typical acceptance" (accept what is merely plausible) is NOT used, and tree drafts are
+not either: one chain of the heads' best (or sampled) guesses. Sampled drafts are drawn from
+each head's distribution, which is the q the verifier needs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from localspec.drafters.base import Proposal
+from localspec.engine.verify import SamplingParams, logits_to_probs, sample
+from localspec.runtime.runner import ModelRunner
+
+
+class ResidualBlock(nn.Module):
+    """``num_layers`` times ``x = x + SiLU(layer(x))``; the identity when initialised."""
+
+    def __init__(self, hidden_size: int, num_layers: int, bias: bool = True,
+                 **factory: object) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(hidden_size, hidden_size, bias=bias, **factory)
+                                    for _ in range(num_layers))
+        with torch.no_grad():
+            for layer in self.layers:
+                layer.weight.zero_()
+                if layer.bias is not None:
+                    layer.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + F.silu(layer(x))
+        return x
+
+
+class MedusaHeads(nn.Module):
+    """K heads: ``blocks[i]`` then ``lm_heads[i]`` (None: the target's LM head for all).
+
+    Names follow vLLM's Medusa layout (``blocks.i.layers.j``, ``lm_heads.i``); the original
+    ``medusa_lm_head.pt`` keys are mapped onto them by ``head_layouts``.
+    """
+
+    def __init__(self, hidden_size: int, vocab_size: int, num_heads: int, num_layers: int = 1,
+                 own_lm_heads: bool = True, bias: bool = True,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        factory = {"dtype": dtype, "device": device}
+        self.hidden_size, self.vocab_size, self.dtype = hidden_size, vocab_size, dtype
+        self.blocks = nn.ModuleList(ResidualBlock(hidden_size, num_layers, bias, **factory)
+                                    for _ in range(num_heads))
+        self.lm_heads: nn.ModuleList | None = None
+        if own_lm_heads:
+            self.lm_heads = nn.ModuleList(nn.Linear(hidden_size, vocab_size, bias=False,
+                                                    **factory) for _ in range(num_heads))
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.blocks)
+
+    def init_lm_heads(self, target_head: torch.Tensor) -> None:
+        """Start every head's LM head from the target's [vocab, hidden] (as Medusa trains)."""
+        if self.lm_heads is not None:
+            with torch.no_grad():
+                for head in self.lm_heads:
+                    head.weight.copy_(target_head)
+
+    def head_hidden(self, i: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Head i's input to its LM head: [n, hidden] -> [n, hidden]."""
+        return self.blocks[i](hidden.to(self.dtype))
+
+
+class MedusaDrafter:
+    """Drafts ``min(k, K)`` tokens from the target's last verified feature."""
+
+    name = "medusa"
+
+    def __init__(self, heads: MedusaHeads, target: ModelRunner,
+                 confidence_threshold: float = 0.0) -> None:
+        self.heads = heads
+        self.target = target
+        self.confidence_threshold = confidence_threshold
+        self.feature_layers = (target.num_layers,)  # the final normed hidden state
+        target.record_features(self.feature_layers)
+
+    def reset(self) -> None:
+        """Ask the target (again: it may serve other drafters) for its final features."""
+        self.target.record_features(self.feature_layers)
+
+    def _logits(self, i: int, feature: torch.Tensor) -> torch.Tensor:
+        """Head i's float32 logits [vocab_target] from the feature [1, hidden]."""
+        hidden = self.heads.head_hidden(i, feature)
+        if self.heads.lm_heads is None:
+            return self.target.head_logits(hidden)[0]
+        return self.heads.lm_heads[i](hidden)[0].float()  # its vocabulary is the target's
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        context: list[int],
+        k: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+    ) -> Proposal:
+        # The target holds context[:-1]; the feature of context[-2] predicted context[-1].
+        last = len(context) - 2
+        if k <= 0 or last < 0 or self.target.length <= last:
+            return Proposal([])
+        feature = self.target.features(last, last + 1)  # [1, hidden]
+        tokens: list[int] = []
+        q_rows: list[torch.Tensor] = []
+        confidences: list[float] = []
+        for i in range(min(k, self.heads.num_heads)):
+            logits = self._logits(i, feature)
+            if params.greedy:
+                probs = torch.softmax(logits, dim=-1)
+                token = int(probs.argmax())
+            else:
+                probs = logits_to_probs(logits[None], params)[0]
+                token = sample(probs, generator)
+            if tokens and float(probs.max()) < self.confidence_threshold:
+                break
+            tokens.append(token)
+            q_rows.append(probs)
+            confidences.append(float(probs[token]))
+        q_draft = None if params.greedy else torch.stack(q_rows)
+        return Proposal(tokens, q_draft, tuple(confidences))
