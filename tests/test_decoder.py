@@ -42,6 +42,8 @@ from localspec.runtime.decoder import (
     KVCache,
     LeanDecoder,
     LMHead,
+    hadamard,
+    rotate,
     unsupported_reason,
 )
 from localspec.runtime.quant import DenseLinear, W8A8Linear, quantize_per_channel
@@ -555,3 +557,20 @@ def test_draft_shares_the_targets_tokenizer_only_when_its_files_are_the_same(
     config.write_text(config.read_text().replace("}", ', "model_max_length": 77}', 1))
     other = load_model(spec, share_tokenizer=target).tokenizer
     assert other is not target.tokenizer and other.model_max_length == 77
+
+
+@pytest.mark.parametrize(("width", "block"), [(8960, 256), (4864, 256), (896, 128), (96, 32)])
+def test_hadamard_rotation_is_orthonormal_and_row_exact(width: int, block: int) -> None:
+    """The down projection's input rotation: the largest power-of-two block up to 256 that
+    divides the width, orthonormal (the product with the rotated weight is unchanged), and a
+    row turned within a batch equals the row turned alone, bit for bit."""
+    h = hadamard(width)
+    assert h.shape == (block, block)
+    assert torch.allclose(h @ h, torch.eye(block), atol=1e-6)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(20, width, generator=generator) * 30
+    w = torch.randn(7, width, generator=generator)
+    turned = rotate(x, h)
+    assert torch.allclose(turned @ rotate(w, h).T, x @ w.T, rtol=1e-4, atol=1e-2)
+    for n in (2, 9, 20):
+        assert torch.equal(rotate(x[:n], h), torch.cat([rotate(x[i:i + 1], h) for i in range(n)]))

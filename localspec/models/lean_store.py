@@ -45,7 +45,7 @@ from localspec.runtime.decoder import LeanDecoder, export_weights
 logger = logging.getLogger(__name__)
 
 WEIGHTS_NAME = "lean-w8a8.safetensors"
-FORMAT = "1"  # bump when export_weights' names or layout change
+FORMAT = "2"  # bump when export_weights' names or layout change (2: down rotation)
 
 
 def store_dir(folder: Path) -> Path:

@@ -8,6 +8,12 @@ module (so every ``rope_scaling`` transformers knows is honoured), the new keys 
 written in place into a static cache, and PyTorch's SDPA with grouped-query heads. Rolling the
 cache back is a length change: stale positions are simply overwritten by the next pass.
 
+In int8, the down projection's input (SiLU(gate) * up: heavy-tailed, a few channels far
+larger than the rest) is first turned by a block Hadamard rotation, and the weight by the same
+one offline, so the product is unchanged in exact arithmetic; the rotation spreads each
+outlier over a block, and per-token int8 then keeps the other channels' precision (QuaRot's
+online rotation). Top-1 agreement with bf16 rose from 96.8% to 97.8% (README).
+
 The residual stream and norms run in float32 (cheap for the few rows a decode step feeds);
 keys and values are stored in the model's dtype. The weights are taken from a loaded
 transformers model, which is then emptied of its layer weights so that memory holds one copy.
@@ -35,6 +41,7 @@ CACHE_BLOCK = 256  # the KV cache grows in blocks of this many positions
 ROW_ATTENTION_MAX = 128
 
 LINEAR_KINDS = ("w8a8", "dense")
+ROTATION_BLOCK = 256  # the largest Hadamard block the down projection's input is turned by
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -62,6 +69,31 @@ class _Layer:
     down: Linear
 
 
+def hadamard(width: int) -> torch.Tensor:
+    """The orthonormal Sylvester-Hadamard matrix of the largest power-of-two block (at most
+    ROTATION_BLOCK) that divides ``width``: [block, block] float32, symmetric, H @ H = I."""
+    block = 1
+    while block < ROTATION_BLOCK and width % (2 * block) == 0:
+        block *= 2
+    h = torch.ones(1, 1)
+    while h.shape[0] < block:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return h / block**0.5
+
+
+def rotate(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """x [n, width] times the block-diagonal of ``h``. Up to ROW_ATTENTION_MAX rows, each row
+    is turned in a call of its own: a float32 matmul over several rows may block its sums
+    differently from one over a single row (seen for some widths), and a verify pass must
+    compute each token exactly as a one-token step does."""
+    n, width = x.shape
+    block = h.shape[0]
+    if n == 1 or n > ROW_ATTENTION_MAX:
+        return (x.reshape(n, width // block, block) @ h).reshape(n, width)
+    return torch.cat([(row.reshape(width // block, block) @ h).reshape(1, width)
+                      for row in x])
+
+
 def _fused(kind: str, modules: list[nn.Linear]) -> dict[str, torch.Tensor]:
     """The tensors of one fused linear layer: int8 rows and scales ("w8a8") or the weight
     ("dense"), and the bias if any module has one."""
@@ -81,10 +113,16 @@ def export_weights(model: PreTrainedModel, kind: str = "w8a8") -> dict[str, torc
     backbone = model.base_model
     weights = {"embed": backbone.embed_tokens.weight.detach().clone(),
                "norm": backbone.norm.weight.detach().float()}
+    if kind == "w8a8":
+        weights["down_rotation"] = hadamard(model.config.intermediate_size)
     for i, layer in enumerate(backbone.layers):
         attn, mlp = layer.self_attn, layer.mlp
         parts = {"qkv": [attn.q_proj, attn.k_proj, attn.v_proj], "o": [attn.o_proj],
                  "gate_up": [mlp.gate_proj, mlp.up_proj], "down": [mlp.down_proj]}
+        if kind == "w8a8":  # x W^T = (x H)(W H)^T: the rotation the forward applies to x
+            down = mlp.down_proj.weight.detach().float()
+            mlp.down_proj.weight = nn.Parameter(rotate(down, weights["down_rotation"]),
+                                                requires_grad=False)
         for name, modules in parts.items():
             for key, tensor in _fused(kind, modules).items():
                 weights[f"layers.{i}.{name}.{key}"] = tensor
@@ -214,6 +252,7 @@ class LeanDecoder:
         self.norm = weights["norm"]
         self.max_length = int(getattr(config, "max_position_embeddings", 0) or 0)
         self.intermediate = config.intermediate_size
+        self.down_rotation = weights.get("down_rotation")  # see the module docstring
         self.head = LMHead(tuple(weights[f"head.{k}"] for k in ("q", "scale"))
                            if linear == "w8a8" else (weights["head.weight"],), linear)
         release_weights(model)
@@ -285,8 +324,10 @@ class LeanDecoder:
                                mask)
             x = x + layer.o(out.transpose(0, 1).reshape(n, q_size).float())
             gate_up = layer.gate_up(self._rms(x, layer.norm2))
-            x = x + layer.down(F.silu(gate_up[:, :self.intermediate])
-                               * gate_up[:, self.intermediate:])
+            hidden_mlp = F.silu(gate_up[:, :self.intermediate]) * gate_up[:, self.intermediate:]
+            if self.down_rotation is not None:
+                hidden_mlp = rotate(hidden_mlp, self.down_rotation)
+            x = x + layer.down(hidden_mlp)
         hidden = self._rms(x, self.norm)
         if not layers:
             return hidden, None
