@@ -8,6 +8,8 @@ Every expected failure (a ``LocalSpecError``: bad preset, missing model, mismatc
 over-long prompt, bad setting, unreadable prompts file) ends with one line
 ``localspec: error: ...`` and exit status 2. Anything else is a bug: its traceback goes to a
 log file under the cache folder, the user sees one line naming it and that file, exit status 1.
+
+``localspec train-drafter`` trains an EAGLE, EAGLE-3 or Medusa head (``cli/train_drafter``).
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ from localspec.config import (
     DEFAULT_PRESET,
     HARDWARE_LABELS,
     MAX_BENCH_REPEATS,
+    MAX_NEW_TOKENS,
     MAX_NUM_SAMPLES,
+    MAX_SPECULATIVE_TOKENS,
     METHODS,
     cache_root,
 )
@@ -50,16 +54,18 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def _count(maximum: int) -> Callable[[str], int]:
-    """An argparse type: an integer from 1 to ``maximum`` (argparse reports it, exit 2)."""
+def _count(maximum: int, minimum: int = 1) -> Callable[[str], int]:
+    """An argparse type: an integer from ``minimum`` to ``maximum`` (argparse reports it,
+    exit 2)."""
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-        if not 1 <= value <= maximum:
-            raise argparse.ArgumentTypeError(f"must be between 1 and {maximum}, got {value}")
+        if not minimum <= value <= maximum:
+            raise argparse.ArgumentTypeError(f"must be between {minimum} and {maximum}, got "
+                                             f"{value}")
         return value
 
     return parse
@@ -163,6 +169,82 @@ def _cmd_export_vllm(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train_drafter(args: argparse.Namespace) -> int:
+    from localspec.cli.train_drafter import run_train_drafter
+
+    return run_train_drafter(args, log=_log_line)
+
+
+def _learning_rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def _add_train_drafter(sub: argparse._SubParsersAction) -> None:
+    train = sub.add_parser("train-drafter", help="train an EAGLE, EAGLE-3 or Medusa head for "
+                                                 "a target, on this machine")
+    train.add_argument("--method", required=True, help="eagle, eagle3 or medusa")
+    train.add_argument("--target", default=None, metavar="MODEL",
+                       help="built-in name, folder, .gguf or Hugging Face repo id")
+    train.add_argument("--preset", default=None,
+                       help="train on this preset's target as it is served (quantization "
+                            "included); --target replaces its model")
+    train.add_argument("--out", required=True, metavar="DIR",
+                       help="folder for the head (config.json, model.safetensors), its "
+                            "checkpoint and training.json")
+    train.add_argument("--corpus", action="extend", nargs="+", default=None, metavar="PATH",
+                       help=".py/.txt/.md/.rst files or folders (default: the Python "
+                            "standard library's sources)")
+    train.add_argument("--format", choices=("auto", "chat", "raw"), default="auto",
+                       help="wrap documents in the target's chat template (auto: when it has "
+                            "one) or feed raw text")
+    train.add_argument("--tokens", type=_count(10**9), default=81_920,
+                       help="corpus tokens to compute target features for (~7 min for the "
+                            "bundled 1.5B in w8a8 on 2 cores; default: %(default)s)")
+    train.add_argument("--steps", type=_count(10**7), default=120,
+                       help="training steps (~1.5 passes over the default tokens; default: "
+                            "%(default)s)")
+    train.add_argument("--batch", type=_count(4096), default=2,
+                       help="chunks per step (default: %(default)s)")
+    train.add_argument("--seq-len", type=_count(2**20), default=512,
+                       help="tokens per chunk (default: %(default)s)")
+    train.add_argument("--lr", type=_learning_rate, default=1e-3,
+                       help="peak learning rate (default: %(default)s)")
+    train.add_argument("--unroll", type=_count(16, minimum=0), default=3,
+                       help="EAGLE: extra draft steps trained on the head's own "
+                            "outputs (default: %(default)s)")
+    train.add_argument("--intermediate-size", type=_count(2**20), default=None,
+                       help="EAGLE MLP width (default: hidden x 5/3 for eagle, / 3 for eagle3)")
+    train.add_argument("--attention-heads", type=_count(1024), default=4,
+                       help="EAGLE attention heads, of the target's head size (default: "
+                            "%(default)s)")
+    train.add_argument("--draft-vocab", type=_count(10**7), default=4096,
+                       help="EAGLE-3 draft vocabulary; EAGLE/Medusa training softmax "
+                            "rows (default: %(default)s)")
+    train.add_argument("--heads", type=_count(MAX_SPECULATIVE_TOKENS), default=4,
+                       help="Medusa heads (default: %(default)s)")
+    train.add_argument("--medusa-layers", type=_count(8), default=1,
+                       help="residual blocks per Medusa head (default: %(default)s)")
+    train.add_argument("--eval-prompts", type=_count(1000, minimum=0), default=4,
+                       help="held-out prompts to measure acceptance on, 0 to skip "
+                            "(default: %(default)s)")
+    train.add_argument("--eval-tokens", type=_count(MAX_NEW_TOKENS), default=64,
+                       help="tokens generated per held-out prompt (default: %(default)s)")
+    train.add_argument("--eval-k", type=_count(MAX_SPECULATIVE_TOKENS), default=5,
+                       help="draft length while measuring acceptance (default: %(default)s)")
+    train.add_argument("--seed", type=_count(2**31, minimum=0), default=0)
+    train.add_argument("--checkpoint-every", type=_count(10**7), default=25, metavar="STEPS")
+    train.add_argument("--resume", action="store_true",
+                       help="continue the checkpoint in --out (same settings; --steps may grow)")
+    train.add_argument("--json", action="store_true", help="print one JSON object")
+    train.set_defaults(func=_cmd_train_drafter)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="localspec", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -227,6 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("preset_name", metavar="PRESET",
                         help="a shipped preset (see `localspec presets`) or a .toml path")
     export.set_defaults(func=_cmd_export_vllm)
+    _add_train_drafter(sub)
     return parser
 
 

@@ -67,9 +67,16 @@ class EagleSpec:
                    head_dim=int(getattr(config, "head_dim", 0) or config.hidden_size // heads),
                    rms_norm_eps=float(config.rms_norm_eps), vocab_size=int(config.vocab_size),
                    draft_vocab_size=draft_vocab_size or int(config.vocab_size),
-                   rope={"rope_theta": float(getattr(config, "rope_theta", 10000.0) or 10000.0),
+                   rope={"rope_theta": rope_theta(config),
                          "max_position_embeddings":
                              int(getattr(config, "max_position_embeddings", 2048))})
+
+
+def rope_theta(config: object) -> float:
+    """RoPE's base of a transformers config: ``rope_parameters["rope_theta"]`` in transformers
+    5, the ``rope_theta`` attribute before (10000 when neither says)."""
+    parameters = getattr(config, "rope_parameters", None) or {}
+    return float(parameters.get("rope_theta") or getattr(config, "rope_theta", 0) or 10000.0)
 
 
 class RMSNorm(nn.Module):
