@@ -27,7 +27,8 @@ from localspec.ui.render import legend_html, spans_html
 from localspec.ui.views import ChatView, RaceView, Settings, SwitchView
 
 METHOD_CHOICES = [("preset's method", "preset"), ("none (plain decoding)", "none"),
-                  ("draft model", "draft_model"), ("n-gram lookup", "ngram")]
+                  ("draft model", "draft_model"), ("n-gram lookup", "ngram"),
+                  ("EAGLE-3 head", "eagle3"), ("EAGLE head", "eagle"), ("Medusa heads", "medusa")]
 SLIDERS = {  # control -> (request setting, step, label)
     "temperature": ("temperature", 0.05, "temperature (0 = greedy)"),
     "top_p": ("top_p", 0.05, "top-p"),
