@@ -280,7 +280,7 @@ def _from_w8a8_store(spec: ModelSpec, folder: Path, dtype: torch.dtype, share: L
         if decoder is None:
             return None
         tokenizer = _load_tokenizer(folder, share)
-    except (OSError, ValueError, KeyError, TypeError) as exc:  # the full load says what is wrong
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:  # the full load: why
         logger.info("no quick w8a8 start for %s: %s", spec.model, exc)
         return None
     return tokenizer, model, decoder
