@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from localspec.engine.verify import SamplingParams
+from localspec.engine.verify import SamplingParams, logits_to_probs, sample
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,42 @@ class Proposal:
     # Seconds spent catching up with the context (a prompt's prefill, tokens generated while
     # drafting was off): paid once, not per draft, so adaptive k leaves it out of c_draft.
     sync_time: float = 0.0
+
+
+class DraftChain:
+    """The drafts of one chain as a model-based drafter picks them, one position at a time:
+    the argmax (greedy) or a draw from the drafter's distribution q, kept with its q row for
+    the verifier. Drafting stops once the drafter's best guess falls below
+    ``confidence_threshold`` (never before the first draft): such a token is likely rejected
+    and each draft step costs time."""
+
+    def __init__(self, params: SamplingParams, generator: torch.Generator,
+                 confidence_threshold: float = 0.0) -> None:
+        self.params = params
+        self.generator = generator
+        self.confidence_threshold = confidence_threshold
+        self.tokens: list[int] = []
+        self._q_rows: list[torch.Tensor] = []
+        self._confidences: list[float] = []
+
+    def pick(self, logits: torch.Tensor) -> int | None:
+        """The next draft from the drafter's logits [vocab_target], or None: stop drafting."""
+        if self.params.greedy:
+            probs = torch.softmax(logits, dim=-1)
+            token = int(probs.argmax())
+        else:
+            probs = logits_to_probs(logits[None], self.params)[0]
+            token = sample(probs, self.generator)
+        if self.tokens and float(probs.max()) < self.confidence_threshold:
+            return None
+        self.tokens.append(token)
+        self._q_rows.append(probs)
+        self._confidences.append(float(probs[token]))
+        return token
+
+    def proposal(self, sync_time: float = 0.0) -> Proposal:
+        q_draft = None if self.params.greedy else torch.stack(self._q_rows)
+        return Proposal(self.tokens, q_draft, tuple(self._confidences), sync_time)
 
 
 class Drafter(Protocol):

@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from localspec.drafters.base import Proposal
-from localspec.engine.verify import SamplingParams, logits_to_probs, sample
+from localspec.drafters.base import DraftChain, Proposal
+from localspec.engine.verify import SamplingParams
 from localspec.runtime.runner import ModelRunner
 
 CATCH_UP_SPLIT = 4  # more tokens to catch up on than this are fed in a pass of their own
@@ -97,24 +97,12 @@ class DraftModelDrafter:
             self.runner.forward(feed[:-1], logits_to_keep=1)
             self._seen.extend(feed[:-1])
             feed, sync_time = feed[-1:], time.perf_counter() - start
-        tokens: list[int] = []
-        q_rows: list[torch.Tensor] = []
-        confidences: list[float] = []
+        chain = DraftChain(params, generator, self.confidence_threshold)
         for _ in range(k):
             logits = self._to_target_vocab(self.runner.forward(feed, logits_to_keep=1)[-1])
             self._seen.extend(feed)
-            if params.greedy:
-                probs = torch.softmax(logits, dim=-1)
-                token = int(probs.argmax())
-            else:
-                probs = logits_to_probs(logits[None], params)[0]
-                token = sample(probs, generator)
-            confidence = float(probs.max())
-            if tokens and confidence < self.confidence_threshold:
+            token = chain.pick(logits)
+            if token is None:
                 break
-            tokens.append(token)
-            q_rows.append(probs)
-            confidences.append(float(probs[token]))
             feed = [token]
-        q_draft = None if params.greedy else torch.stack(q_rows)
-        return Proposal(tokens, q_draft, tuple(confidences), sync_time)
+        return chain.proposal(sync_time)

@@ -29,9 +29,9 @@ import time
 
 import torch
 
-from localspec.drafters.base import Proposal
+from localspec.drafters.base import DraftChain, Proposal
 from localspec.drafters.eagle_head import EagleHead, HeadCache
-from localspec.engine.verify import SamplingParams, logits_to_probs, sample
+from localspec.engine.verify import SamplingParams
 from localspec.runtime.runner import ModelRunner
 
 CATCH_UP_SPLIT = 4  # more positions than this to catch up on go in a timed pass of their own
@@ -114,23 +114,11 @@ class EagleDrafter:
         self._tokens = list(context)
         for_logits, hidden = for_logits[-1:], hidden[-1:]  # [1, h] each
 
-        tokens: list[int] = []
-        q_rows: list[torch.Tensor] = []
-        confidences: list[float] = []
+        chain = DraftChain(params, generator, self.confidence_threshold)
         for j in range(k):
-            logits = self._logits(for_logits)
-            if params.greedy:
-                probs = torch.softmax(logits, dim=-1)
-                token = int(probs.argmax())
-            else:
-                probs = logits_to_probs(logits[None], params)[0]
-                token = sample(probs, generator)
-            if tokens and float(probs.max()) < self.confidence_threshold:
+            token = chain.pick(self._logits(for_logits))
+            if token is None:
                 break
-            tokens.append(token)
-            q_rows.append(probs)
-            confidences.append(float(probs[token]))
             if j + 1 < k:  # its own output stands in for the feature it cannot have
                 for_logits, hidden = self._step(hidden, [token], last + 1 + j, from_target=False)
-        q_draft = None if params.greedy else torch.stack(q_rows)
-        return Proposal(tokens, q_draft, tuple(confidences), sync_time)
+        return chain.proposal(sync_time)

@@ -22,8 +22,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from localspec.drafters.base import Proposal
-from localspec.engine.verify import SamplingParams, logits_to_probs, sample
+from localspec.drafters.base import DraftChain, Proposal
+from localspec.engine.verify import SamplingParams
 from localspec.runtime.runner import ModelRunner
 
 
@@ -120,21 +120,8 @@ class MedusaDrafter:
         if k <= 0 or last < 0 or self.target.length <= last:
             return Proposal([])
         feature = self.target.features(last, last + 1)  # [1, hidden]
-        tokens: list[int] = []
-        q_rows: list[torch.Tensor] = []
-        confidences: list[float] = []
+        chain = DraftChain(params, generator, self.confidence_threshold)
         for i in range(min(k, self.heads.num_heads)):
-            logits = self._logits(i, feature)
-            if params.greedy:
-                probs = torch.softmax(logits, dim=-1)
-                token = int(probs.argmax())
-            else:
-                probs = logits_to_probs(logits[None], params)[0]
-                token = sample(probs, generator)
-            if tokens and float(probs.max()) < self.confidence_threshold:
+            if chain.pick(self._logits(i, feature)) is None:
                 break
-            tokens.append(token)
-            q_rows.append(probs)
-            confidences.append(float(probs[token]))
-        q_draft = None if params.greedy else torch.stack(q_rows)
-        return Proposal(tokens, q_draft, tuple(confidences))
+        return chain.proposal()
