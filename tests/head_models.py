@@ -41,6 +41,17 @@ def unit_embeddings(model: PreTrainedModel) -> torch.Tensor:
     return emb / emb.norm(dim=-1, keepdim=True)
 
 
+def embeddings_through(model: PreTrainedModel) -> None:
+    """Zero every layer's output projections and set the final norm to 1, so that the hidden
+    state entering any layer is the current token's embedding (the final one a positive
+    multiple of it): what the LM head then scores is chosen by hand."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.norm.weight.fill_(1.0)
+
+
 def clock_target(layers: int = 8) -> PreTrainedModel:
     """A target that continues x with x + 1 (mod vocab), whatever came before.
 
@@ -49,11 +60,8 @@ def clock_target(layers: int = 8) -> PreTrainedModel:
     is embedding x made unit length, which scores highest against embedding x (Cauchy-Schwarz).
     """
     model = llama_target(layers)
+    embeddings_through(model)
     with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        model.model.norm.weight.fill_(1.0)
         model.lm_head.weight.copy_(20.0 * unit_embeddings(model).roll(1, dims=0))
     return model
 

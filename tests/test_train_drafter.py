@@ -24,7 +24,7 @@ from conftest import (
     train_tokenizer,
 )
 from conftest import decode as toy_decode
-from head_models import llama_target, unit_embeddings
+from head_models import embeddings_through, llama_target, unit_embeddings
 from safetensors.torch import load_file
 from transformers import Qwen2Config
 
@@ -105,11 +105,8 @@ def targets(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> dict[str,
     ring = [t for t, _ in counts.most_common(8)]
     cycle = llama_target(layers=8, vocab=300)
     unit = unit_embeddings(cycle)
+    embeddings_through(cycle)
     with torch.no_grad():
-        for layer in cycle.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        cycle.model.norm.weight.fill_(1.0)
         cycle.lm_head.weight.zero_()
         for current, following in zip(ring, ring[1:] + ring[:1], strict=True):
             cycle.lm_head.weight[following] = 20.0 * unit[current]
