@@ -52,7 +52,10 @@ def test_default_pair_greedy_equal_on_real_models(qwen_pair: Pipeline) -> None:
 def test_real_draft_is_accepted_often(qwen_pair: Pipeline) -> None:
     """The 0.5B sibling agrees with the 1.5B most of the time on code: speculation does work."""
     ids = qwen_pair.encode_prompt("Write a Python function that returns the factorial of n.")
-    result = qwen_pair.run(qwen_pair.request(ids, max_new_tokens=48), "draft_model")
+    # fixed k: adaptive k drafts less when the machine is busy (measured times), which says
+    # nothing about how often the draft is right (a busy CI run once drafted 11 tokens in 42 passes)
+    result = qwen_pair.run(qwen_pair.request(ids, max_new_tokens=48, adaptive=False),
+                           "draft_model")
     assert result.stats.acceptance_rate > 0.5
     assert result.stats.mean_accepted_length > 2.0
 
