@@ -10,6 +10,10 @@ fbgemm's dynamic quantization (``torch.ao``) uses one activation scale per *tens
 its output for a token changes with the tokens beside it, and Qwen2.5's outlier activations
 crush everything else in the tensor onto a few levels (top-1 agreement 68%, see the README).
 
+``Q4KLinear`` reads a third of those bytes for matrices a GGUF file stores as Q4_K: its weights
+exactly as the file has them, times int8 activations with one scale per group of 32, in a
+native kernel (``localspec.runtime.kernels``) whose rows, too, do not depend on each other.
+
 ``Int8WeightOnlyLinear`` (``_weight_int8pack_mm``) reads the same bytes but costs more per row:
 fine for a one-token draft step, poor for verifying 16 tokens.
 
@@ -18,8 +22,13 @@ All layers take and return float32 [n, in] -> [n, out].
 
 from __future__ import annotations
 
+import ctypes
+from collections.abc import Mapping
+
 import torch
 from torch import nn
+
+from localspec.runtime.kernels import Q4K_PACKED, Q4KWeights, pack_q4k
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,6 +66,36 @@ class W8A8Linear:
                                                self.weight_zero, None, 1.0, 0, torch.float32,
                                                "none", [], "")
         y.mul_(scale)
+        return y if self.bias is None else y.add_(self.bias)
+
+
+class Q4KLinear:
+    """y = x W^T + b with W in Q4_K (see ``localspec.runtime.kernels``); float32 in and out."""
+
+    def __init__(self, packed: Mapping[str, torch.Tensor], bias: torch.Tensor | None,
+                 lib: ctypes.CDLL) -> None:
+        """From ``pack_q4k``'s tensors (or the same read back from the store)."""
+        self.packed = {name: packed[name].contiguous() for name in Q4K_PACKED}
+        blocks, _, rows = self.packed["d"].shape
+        self.out_features = blocks * rows
+        self.in_features = self.packed["qs"].numel() * 2 // self.out_features
+        self.bias = None if bias is None else bias.detach().float()
+        self.lib = lib
+        self._pointers = [self.packed[name].data_ptr() for name in Q4K_PACKED]
+
+    @classmethod
+    def from_weights(cls, weights: Q4KWeights, bias: torch.Tensor | None,
+                     lib: ctypes.CDLL) -> Q4KLinear:
+        return cls(pack_q4k(weights), bias, lib)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 or x.shape[1] != self.in_features:  # the kernel would read past x
+            raise ValueError(f"expected input [n, {self.in_features}], got {list(x.shape)}")
+        x = x.float().contiguous()
+        y = torch.empty(x.shape[0], self.out_features)
+        if self.lib.q4k_linear(x.data_ptr(), x.shape[0], self.in_features, *self._pointers,
+                               self.out_features, y.data_ptr(), torch.get_num_threads()):
+            raise MemoryError("the Q4_K kernel could not allocate its scratch memory")
         return y if self.bias is None else y.add_(self.bias)
 
 

@@ -1,0 +1,130 @@
+/* W4A8 matrix product over GGUF Q4_K weights, for CPUs with AVX-512 VNNI.
+ *
+ * y[m, n] = sum_k x[m, k] * w[n, k], where w is stored exactly as a Q4_K file has it:
+ * w = d * sc_g * q - dmin * mn_g, q in 0..15, one (sc, mn) pair of 6-bit integers per group
+ * of 32 inputs and one (d, dmin) pair per 256. The activations are quantized here to int8 with
+ * one scale per group of 32 (as llama.cpp's Q8_0), so a single outlier only coarsens its own
+ * group. Each group's product is an exact int32 sum (VPDPBUSD: u8 weights times s8 inputs);
+ * the float work per group and row is the same whatever the number of rows M or threads, so a
+ * row's output is bit for bit the same in a one-token step and inside a verify pass.
+ *
+ * Layout (made by localspec.runtime.kernels.pack_q4k): rows in blocks of 16, groups of 32.
+ *   qs  [N/16][K/32][4][64] u8: load i of a group holds, at byte 4*r + j, the low nibble
+ *       q[r][8i + j] and the high nibble q[r][8i + 4 + j] (r: row in block, j: 0..3), so that
+ *       one 64-byte load makes two VNNI operands of 16 rows x 4 inputs.
+ *   sc, mn [N/16][K/32][16] u8;  d, dmin [N/16][ceil(K/256)][16] f32 (a width that is not a
+ *   multiple of 256, such as 896, ends in a partial super-block).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define ROWS_PER_PASS 8
+#ifndef PREFETCH
+#define PREFETCH 8
+#endif
+
+/* Per row m and group g: int8 inputs xq, their scale xs and scale * sum(xq) (for the mins). */
+static void quantize_rows(const float *x, int64_t m_rows, int64_t k, int8_t *xq, float *xs,
+                          float *xsum) {
+    const int64_t groups = k / 32;
+    for (int64_t m = 0; m < m_rows; m++) {
+        for (int64_t g = 0; g < groups; g++) {
+            const float *src = x + m * k + g * 32;
+            __m512 a = _mm512_abs_ps(_mm512_loadu_ps(src));
+            __m512 b = _mm512_abs_ps(_mm512_loadu_ps(src + 16));
+            float amax = _mm512_reduce_max_ps(_mm512_max_ps(a, b));
+            float scale = amax / 127.0f;
+            float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            int8_t *dst = xq + m * k + g * 32;
+            int32_t total = 0;
+            for (int j = 0; j < 32; j++) {
+                int32_t v = (int32_t)nearbyintf(src[j] * inv);
+                v = v > 127 ? 127 : (v < -127 ? -127 : v);
+                dst[j] = (int8_t)v;
+                total += v;
+            }
+            xs[m * groups + g] = scale;
+            xsum[m * groups + g] = scale * (float)total;
+        }
+    }
+}
+
+/* Rows m0..m0+rows-1 of block b: 16 outputs each. Always inlined with a constant ``rows``,
+ * so that the accumulators live in registers. */
+static inline __attribute__((always_inline)) void block_rows(const uint8_t *qs, const uint8_t *sc, const uint8_t *mn,
+                              const float *d, const float *dmin, const int8_t *xq,
+                              const float *xs, const float *xsum, float *y, int64_t b,
+                              int64_t m0, int rows, int64_t n, int64_t k) {
+    const int64_t groups = k / 32, supers = (groups + 7) / 8;
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512 out[ROWS_PER_PASS];
+    for (int r = 0; r < rows; r++) out[r] = _mm512_setzero_ps();
+    const uint8_t *wq = qs + b * groups * 256;
+    const uint8_t *wsc = sc + b * groups * 16;
+    const uint8_t *wmn = mn + b * groups * 16;
+    __m512 vd = _mm512_setzero_ps(), vdmin = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        if ((g & 7) == 0) {
+            vd = _mm512_loadu_ps(d + (b * supers + g / 8) * 16);
+            vdmin = _mm512_loadu_ps(dmin + (b * supers + g / 8) * 16);
+        }
+        __m512i acc[ROWS_PER_PASS];
+        for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_si512();
+        for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(wq + (g + PREFETCH) * 256 + i * 64), _MM_HINT_T0);
+        for (int i = 0; i < 4; i++) {
+            __m512i v = _mm512_loadu_si512((const void *)(wq + g * 256 + i * 64));
+            __m512i w0 = _mm512_and_si512(v, low);
+            __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            for (int r = 0; r < rows; r++) {
+                const int8_t *a = xq + (m0 + r) * k + g * 32 + 8 * i;
+                __m512i a0 = _mm512_set1_epi32(*(const int32_t *)a);
+                __m512i a1 = _mm512_set1_epi32(*(const int32_t *)(a + 4));
+                acc[r] = _mm512_dpbusd_epi32(acc[r], w0, a0);
+                acc[r] = _mm512_dpbusd_epi32(acc[r], w1, a1);
+            }
+        }
+        __m512 vsc = _mm512_mul_ps(
+            vd, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const void *)(wsc + g * 16)))));
+        __m512 vmn = _mm512_mul_ps(
+            vdmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const void *)(wmn + g * 16)))));
+        for (int r = 0; r < rows; r++) {
+            int64_t at = (m0 + r) * groups + g;
+            __m512 s = _mm512_mul_ps(vsc, _mm512_set1_ps(xs[at]));
+            out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), s, out[r]);
+            out[r] = _mm512_fnmadd_ps(vmn, _mm512_set1_ps(xsum[at]), out[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) _mm512_storeu_ps(y + (m0 + r) * n + b * 16, out[r]);
+}
+
+/* y [m_rows, n] = x [m_rows, k] times the packed weights; k % 32 == 0, n % 16 == 0.
+ * Returns 0, or -1 when the scratch memory could not be had. */
+int q4k_linear(const float *x, int64_t m_rows, int64_t k, const uint8_t *qs, const uint8_t *sc,
+               const uint8_t *mn, const float *d, const float *dmin, int64_t n, float *y,
+               int threads) {
+    const int64_t groups = k / 32;
+    int8_t *xq = malloc((size_t)(m_rows * k));
+    float *xs = malloc(sizeof(float) * (size_t)(m_rows * groups));
+    float *xsum = malloc(sizeof(float) * (size_t)(m_rows * groups));
+    if (!xq || !xs || !xsum) {
+        free(xq); free(xs); free(xsum);
+        return -1;
+    }
+    quantize_rows(x, m_rows, k, xq, xs, xsum);
+    const int64_t blocks = n / 16;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        for (int64_t m0 = 0; m0 < m_rows; m0 += ROWS_PER_PASS) {
+            int64_t rows = m_rows - m0 < ROWS_PER_PASS ? m_rows - m0 : ROWS_PER_PASS;
+            switch (rows) {
+#define ROWS(R) case R: block_rows(qs, sc, mn, d, dmin, xq, xs, xsum, y, b, m0, R, n, k); break;
+                ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+#undef ROWS
+            }
+        }
+    }
+    free(xq); free(xs); free(xsum);
+    return 0;
+}
