@@ -31,13 +31,18 @@ from localspec.errors import PresetError, RequestError
 Method = Literal["none", "draft_model", "ngram", "eagle", "eagle3", "medusa"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Literal["auto", "cpu", "cuda"]
-Quantization = Literal["none", "w8a8", "int8-weight-only", "bnb-4bit", "bnb-8bit"]
+Quantization = Literal["none", "w4a8", "w4a8-requant", "w8a8", "int8-weight-only", "bnb-4bit",
+                       "bnb-8bit"]
 HardwareClass = Literal["cpu", "gpu-8gb", "gpu-12gb", "gpu-16gb", "gpu-24gb", "h100-80gb"]
 
 METHODS: tuple[str, ...] = get_args(Method)
 DTYPES: tuple[str, ...] = get_args(Dtype)
 DEVICES: tuple[str, ...] = get_args(Device)
 QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
+# Served by the lean CPU forward (localspec.runtime.decoder): "w8a8" int8 weights and per-token
+# int8 activations; "w4a8" a GGUF's Q4_K matrices as stored (others w8a8); "w4a8-requant" every
+# matrix requantized to Q4_K (lossy against the file: meant for drafts, which only guess).
+LEAN_QUANTIZATIONS: tuple[str, ...] = ("w8a8", "w4a8", "w4a8-requant")
 HARDWARE: tuple[str, ...] = get_args(HardwareClass)
 HARDWARE_LABELS = {"cpu": "CPU", "gpu-8gb": "GPU 8 GB", "gpu-12gb": "GPU 12 GB",
                    "gpu-16gb": "GPU 16 GB", "gpu-24gb": "GPU 24 GB", "h100-80gb": "H100 80 GB"}

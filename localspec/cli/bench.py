@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from localspec.cli.prompts import encode_prompts, load_prompts
-from localspec.config import METHODS, Preset, unquantized_target
+from localspec.config import LEAN_QUANTIZATIONS, METHODS, Preset, unquantized_target
 from localspec.drafters.simulated import SimulatedDrafter
 from localspec.errors import ConfigError, PresetError
 from localspec.pipeline import Pipeline, check_method
@@ -116,7 +116,7 @@ def hf_pipeline(pipe: Pipeline, methods: list[str], load: Callable[..., Pipeline
     if pipe.target.decoder is None:
         return pipe
     preset = unquantized_target(pipe.preset)
-    if preset.speculative_config.quantization == "w8a8":  # hf-assisted needs a transformers draft
+    if preset.speculative_config.quantization in LEAN_QUANTIZATIONS:  # hf-assisted: a hf draft
         sc = preset.speculative_config.model_copy(update={"quantization": "none"})
         preset = preset.model_copy(update={"speculative_config": sc})
     return load(preset, need_draft=any(needs_draft(m) for m in hf))

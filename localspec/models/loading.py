@@ -34,19 +34,23 @@ from transformers import (
     PreTrainedModel,
 )
 
-from localspec.config import DEVICES, DTYPES, QUANTIZATIONS, ModelSpec
+from localspec.config import DEVICES, DTYPES, LEAN_QUANTIZATIONS, QUANTIZATIONS, ModelSpec
 from localspec.errors import ModelLoadError
 from localspec.models.builtin import BUILTIN_MODELS
 from localspec.models.cache import (
     MANIFEST_NAME,
     Progress,
+    builtin_gguf_path,
     builtin_model_dir,
     converted_gguf_dir,
+    kernel_dir,
     no_progress,
     verify_manifest,
 )
-from localspec.models.lean_store import stored_decoder, w8a8_decoder
+from localspec.models.gguf_q4k import read_q4k_matrices
+from localspec.models.lean_store import lean_decoder, stored_decoder
 from localspec.runtime.decoder import LeanDecoder, release_weights, unsupported_reason
+from localspec.runtime.kernels import KernelUnavailable, load_q4k
 from localspec.runtime.quant import quantize_int8_weight_only
 from localspec.runtime.runner import ModelRunner
 
@@ -66,7 +70,7 @@ class LoadedModel:
     tokenizer: object
     folder: Path
     load_seconds: float
-    decoder: LeanDecoder | None = None  # the lean CPU forward ("w8a8"), else None
+    decoder: LeanDecoder | None = None  # the lean CPU forward ("w8a8", "w4a8"), else None
 
     @property
     def vocab_size(self) -> int:
@@ -167,7 +171,7 @@ def _quantization_config(quantization: str, dtype: torch.dtype) -> object | None
         raise ModelLoadError(
             f"quantization must be one of {', '.join(QUANTIZATIONS)}, got '{quantization}'"
         )
-    if quantization in ("none", "w8a8", "int8-weight-only"):  # applied after loading
+    if quantization in ("none", "int8-weight-only", *LEAN_QUANTIZATIONS):  # applied after loading
         return None
     if importlib.util.find_spec("bitsandbytes") is None:
         raise ModelLoadError(f"quantization '{quantization}' needs bitsandbytes. Fix: "
@@ -268,7 +272,36 @@ def _skeleton(folder: Path, dtype: torch.dtype) -> PreTrainedModel | None:
     return model.eval()
 
 
-def _from_w8a8_store(spec: ModelSpec, folder: Path, dtype: torch.dtype, share: LoadedModel | None
+def _gguf_source(spec: ModelSpec) -> Path | None:
+    """The GGUF file a model is converted from (built-in or a user's .gguf), else None."""
+    if spec.model in BUILTIN_MODELS:
+        return builtin_gguf_path(BUILTIN_MODELS[spec.model])
+    path = Path(spec.model).expanduser()
+    return path if path.suffix == ".gguf" else None
+
+
+def _lean_kind(spec: ModelSpec, progress: Progress) -> tuple[str, object | None]:
+    """The lean forward a spec of LEAN_QUANTIZATIONS gets here, and the Q4_K kernel for the
+    w4a8 kinds. They need the native kernel (AVX-512 VNNI and a C compiler), and "w4a8" a GGUF
+    source (its Q4_K matrices); without them it is served as "w8a8", and the log and progress
+    say why."""
+    if spec.quantization == "w8a8":
+        return "w8a8", None
+    if spec.quantization == "w4a8" and _gguf_source(spec) is None:
+        reason = "it is not a GGUF model (no Q4_K matrices to keep)"
+    else:
+        try:
+            return spec.quantization, load_q4k(kernel_dir())
+        except KernelUnavailable as exc:
+            reason = f"the Q4_K kernel is unavailable here: {exc}"
+    message = f"{spec.model}: {spec.quantization} served as w8a8 because {reason}"
+    logger.warning(message)
+    progress(message, 0.0)
+    return "w8a8", None
+
+
+def _from_lean_store(spec: ModelSpec, folder: Path, dtype: torch.dtype, share: LoadedModel | None,
+                     kind: str, q4k_lib: object | None
                      ) -> tuple[object, PreTrainedModel, LeanDecoder] | None:
     """Tokenizer, emptied model and decoder when ``folder``'s int8 weights are stored: the
     float weights are then never read (a second start of the 1.5B reads 1.5 GB, not 4.5)."""
@@ -276,12 +309,12 @@ def _from_w8a8_store(spec: ModelSpec, folder: Path, dtype: torch.dtype, share: L
         model = _skeleton(folder, dtype)
         if model is None or unsupported_reason(model) is not None:
             return None
-        decoder = stored_decoder(model, folder)
+        decoder = stored_decoder(model, folder, kind, q4k_lib)
         if decoder is None:
             return None
         tokenizer = _load_tokenizer(folder, share)
     except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:  # the full load: why
-        logger.info("no quick w8a8 start for %s: %s", spec.model, exc)
+        logger.info("no quick %s start for %s: %s", kind, spec.model, exc)
         return None
     return tokenizer, model, decoder
 
@@ -295,14 +328,15 @@ def load_model(spec: ModelSpec, progress: Progress = no_progress,
     device = pick_device(spec.device)
     dtype = pick_dtype(spec.dtype, device)
     quantization = _quantization_config(spec.quantization, dtype)
-    if spec.quantization == "w8a8" and device != "cpu":
-        raise ModelLoadError(f"quantization 'w8a8' runs on CPUs; {spec.model} is set to load "
-                             f"on {device}: use 'none' or a bnb quantization there")
+    lean = spec.quantization in LEAN_QUANTIZATIONS
+    if lean and device != "cpu":
+        raise ModelLoadError(f"quantization '{spec.quantization}' runs on CPUs; {spec.model} is "
+                             f"set to load on {device}: use 'none' or a bnb quantization there")
     stored = STORAGE_DTYPES[dtype]
     folder = resolve_model(spec, progress, dtype=stored)
     progress(f"loading {spec.model}", 0.0)
-    if spec.quantization == "w8a8" and (quick := _from_w8a8_store(spec, folder, dtype,
-                                                                  share_tokenizer)):
+    kind, q4k_lib = _lean_kind(spec, progress) if lean else ("", None)
+    if lean and (quick := _from_lean_store(spec, folder, dtype, share_tokenizer, kind, q4k_lib)):
         tokenizer, model, decoder = quick
         progress(f"loaded {spec.model}", 1.0)
         return LoadedModel(spec.model, model, tokenizer, folder, time.perf_counter() - start,
@@ -326,14 +360,16 @@ def load_model(spec: ModelSpec, progress: Progress = no_progress,
     decoder = None
     if spec.quantization == "int8-weight-only":
         quantize_int8_weight_only(model, skip=("lm_head",))
-    elif spec.quantization == "w8a8":
+    elif lean:
         reason = unsupported_reason(model)
         if reason is not None:
-            raise ModelLoadError(f"quantization 'w8a8' of {spec.model}: the lean CPU forward "
-                                 f"does not support {reason}. Use 'none' or "
+            raise ModelLoadError(f"quantization '{spec.quantization}' of {spec.model}: the lean "
+                                 f"CPU forward does not support {reason}. Use 'none' or "
                                  "'int8-weight-only'")
         progress(f"int8 weights of {spec.model}", 0.9)
-        decoder = w8a8_decoder(model, folder)
+        source = _gguf_source(spec) if kind != "w8a8" else None
+        q4k = read_q4k_matrices(source) if source is not None else None
+        decoder = lean_decoder(model, folder, kind, q4k, q4k_lib)
     progress(f"loaded {spec.model}", 1.0)
     return LoadedModel(spec.model, model, tokenizer, folder, time.perf_counter() - start,
                        decoder)

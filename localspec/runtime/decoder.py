@@ -30,7 +30,8 @@ from torch import nn
 from torch.nn import functional as F
 from transformers import PreTrainedModel
 
-from localspec.runtime.quant import DenseLinear, W8A8Linear, quantize_per_channel
+from localspec.runtime.kernels import Q4K_PACKED, Q4KWeights, pack_q4k, quantize_q4k
+from localspec.runtime.quant import DenseLinear, Q4KLinear, W8A8Linear, quantize_per_channel
 
 LEAN_MODEL_TYPES = ("llama", "qwen2")
 CACHE_BLOCK = 256  # the KV cache grows in blocks of this many positions
@@ -40,7 +41,7 @@ CACHE_BLOCK = 256  # the KV cache grows in blocks of this many positions
 # step of plain decoding does (measured: 2 of 6 real prompts diverged at a near-tie without it).
 ROW_ATTENTION_MAX = 128
 
-LINEAR_KINDS = ("w8a8", "dense")
+LINEAR_KINDS = ("w8a8", "w4a8", "w4a8-requant", "dense")
 ROTATION_BLOCK = 256  # the largest Hadamard block the down projection's input is turned by
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
@@ -67,6 +68,7 @@ class _Layer:
     norm2: torch.Tensor
     gate_up: Linear
     down: Linear
+    down_rotated: bool  # the down projection's input is turned first (its weight was)
 
 
 def hadamard(width: int) -> torch.Tensor:
@@ -106,39 +108,116 @@ def _fused(kind: str, modules: list[nn.Linear]) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def export_weights(model: PreTrainedModel, kind: str = "w8a8") -> dict[str, torch.Tensor]:
+def _exact_q4k(module: nn.Linear, name: str, q4k: Mapping[str, Q4KWeights]) -> Q4KWeights | None:
+    """The module's Q4_K weights if ``q4k`` has them and they are exactly its weight (as
+    loaded, in its dtype): never another model's numbers."""
+    if name not in q4k:
+        return None
+    weights = q4k[name]
+    weight = module.weight.detach()
+    if weights.q.shape != weight.shape or not torch.equal(
+            weights.dequantize().to(weight.dtype), weight):
+        return None
+    return weights
+
+
+def _segments(modules: list[nn.Linear], names: list[str], q4k: Mapping[str, Q4KWeights],
+              requantize: bool) -> list[tuple[str, list[nn.Linear], list[Q4KWeights]]]:
+    """Consecutive modules of one fused layer grouped by how they are served: "q4k" (exact
+    Q4_K weights, or any weight when ``requantize``; rows in blocks of 16, inputs in groups of
+    32) or "w8a8"."""
+    out: list[tuple[str, list[nn.Linear], list[Q4KWeights]]] = []
+    for module, name in zip(modules, names, strict=True):
+        exact = None
+        if module.out_features % 16 == 0 and module.in_features % 32 == 0:
+            exact = _exact_q4k(module, name, q4k)
+            if exact is None and requantize:
+                exact = quantize_q4k(module.weight)
+        kind = "w8a8" if exact is None else "q4k"
+        if out and out[-1][0] == kind:
+            out[-1][1].append(module)
+            if exact is not None:
+                out[-1][2].append(exact)
+        else:
+            out.append((kind, [module], [] if exact is None else [exact]))
+    return out
+
+
+def export_weights(model: PreTrainedModel, kind: str = "w8a8",
+                   q4k: Mapping[str, Q4KWeights] | None = None) -> dict[str, torch.Tensor]:
     """Every tensor the lean forward needs, quantized as ``kind`` says, by name (what
     ``localspec.models.lean_store`` saves so that later starts skip the quantization). The
-    model's layer weights are released as they are converted."""
+    model's layer weights are released as they are converted.
+
+    "w4a8": the matrices ``q4k`` holds (by module name, as a GGUF file stores them) that are
+    exactly the model's weights are kept in Q4_K for the native kernel; all others are w8a8.
+    "w4a8-requant": the others are quantized to Q4_K too. A fused layer is then stored as
+    segments ``<name>.<s>.*`` of one kind each."""
+    q4k = q4k or {}
     backbone = model.base_model
+    module_names = {module: name for name, module in model.named_modules()}
     weights = {"embed": backbone.embed_tokens.weight.detach().clone(),
                "norm": backbone.norm.weight.detach().float()}
-    if kind == "w8a8":
+    segmented = kind in ("w4a8", "w4a8-requant")
+    if kind != "dense":
         weights["down_rotation"] = hadamard(model.config.intermediate_size)
     for i, layer in enumerate(backbone.layers):
         attn, mlp = layer.self_attn, layer.mlp
         parts = {"qkv": [attn.q_proj, attn.k_proj, attn.v_proj], "o": [attn.o_proj],
                  "gate_up": [mlp.gate_proj, mlp.up_proj], "down": [mlp.down_proj]}
-        if kind == "w8a8":  # x W^T = (x H)(W H)^T: the rotation the forward applies to x
-            down = mlp.down_proj.weight.detach().float()
-            mlp.down_proj.weight = nn.Parameter(rotate(down, weights["down_rotation"]),
-                                                requires_grad=False)
         for name, modules in parts.items():
-            for key, tensor in _fused(kind, modules).items():
-                weights[f"layers.{i}.{name}.{key}"] = tensor
+            segments = [(kind, modules, [])] if not segmented else _segments(
+                modules, [module_names[m] for m in modules], q4k, kind == "w4a8-requant")
+            for s, (seg_kind, seg_modules, exact) in enumerate(segments):
+                prefix = f"layers.{i}.{name}.{s}" if segmented else f"layers.{i}.{name}"
+                if name == "down" and seg_kind == "w8a8":  # x W^T = (x H)(W H)^T
+                    down = mlp.down_proj.weight.detach().float()
+                    mlp.down_proj.weight = nn.Parameter(
+                        rotate(down, weights["down_rotation"]), requires_grad=False)
+                tensors = _fused(seg_kind, seg_modules) if seg_kind != "q4k" else {
+                    **pack_q4k(Q4KWeights.cat(exact)),
+                    **{k: v for k, v in _fused("dense", seg_modules).items() if k == "bias"}}
+                for key, tensor in tensors.items():
+                    weights[f"{prefix}.{key}"] = tensor
         weights[f"layers.{i}.norm1"] = layer.input_layernorm.weight.detach().float()
         weights[f"layers.{i}.norm2"] = layer.post_attention_layernorm.weight.detach().float()
         release_weights(layer)
-    for key, tensor in _fused(kind, [model.get_output_embeddings()]).items():
+    head_kind = "dense" if kind == "dense" else "w8a8"
+    for key, tensor in _fused(head_kind, [model.get_output_embeddings()]).items():
         weights[f"head.{key}"] = tensor
     return weights
 
 
-def _linear(weights: Mapping[str, torch.Tensor], prefix: str) -> Linear:
+def _one_linear(weights: Mapping[str, torch.Tensor], prefix: str, lib: object | None) -> Linear:
     bias = weights.get(f"{prefix}.bias")
+    if f"{prefix}.qs" in weights:
+        if lib is None:
+            raise ValueError(f"{prefix} is stored in Q4_K, and no Q4_K kernel was given")
+        return Q4KLinear({k: weights[f"{prefix}.{k}"] for k in Q4K_PACKED}, bias, lib)
     if f"{prefix}.q" in weights:
         return W8A8Linear(weights[f"{prefix}.q"], weights[f"{prefix}.scale"], bias)
     return DenseLinear(weights[f"{prefix}.weight"], bias)
+
+
+class ConcatLinear:
+    """Several linear layers on the same input, outputs side by side (a fused layer whose
+    parts are stored in different forms, e.g. Q4_K q/k and Q6_K-born int8 v)."""
+
+    def __init__(self, parts: list[Linear]) -> None:
+        self.parts = parts
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+
+def _linear(weights: Mapping[str, torch.Tensor], prefix: str, lib: object | None) -> Linear:
+    """The layer stored under ``prefix``: one tensor set, or segments ``prefix.0``, ..."""
+    if not any(f"{prefix}.0.{k}" in weights for k in ("qs", "q", "weight")):
+        return _one_linear(weights, prefix, lib)
+    parts = []
+    while any(f"{prefix}.{len(parts)}.{k}" in weights for k in ("qs", "q", "weight")):
+        parts.append(_one_linear(weights, f"{prefix}.{len(parts)}", lib))
+    return parts[0] if len(parts) == 1 else ConcatLinear(parts)
 
 
 def release_weights(model: nn.Module) -> None:
@@ -216,9 +295,11 @@ class LeanDecoder:
     """
 
     def __init__(self, model: PreTrainedModel, linear: str = "w8a8",
-                 weights: Mapping[str, torch.Tensor] | None = None) -> None:
+                 weights: Mapping[str, torch.Tensor] | None = None,
+                 q4k_lib: object | None = None) -> None:
         """Take ``model``'s weights (quantizing them) or ``weights`` as ``export_weights``
-        names them (then the model's own are never read); either way the model is emptied."""
+        names them (then the model's own are never read); either way the model is emptied.
+        ``q4k_lib`` (``localspec.runtime.kernels.load_q4k``) runs layers stored in Q4_K."""
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the lean forward does not support {reason}")
@@ -232,13 +313,18 @@ class LeanDecoder:
         self.rotary = model.base_model.rotary_emb
         self.eps = float(config.rms_norm_eps)
 
+        rotation = weights.get("down_rotation")  # see the module docstring
+        self.down_rotation = rotation
+
         def layer(i: int) -> _Layer:
+            down = _linear(weights, f"layers.{i}.down", q4k_lib)
             return _Layer(norm1=weights[f"layers.{i}.norm1"],
-                          qkv=_linear(weights, f"layers.{i}.qkv"),
-                          o=_linear(weights, f"layers.{i}.o"),
+                          qkv=_linear(weights, f"layers.{i}.qkv", q4k_lib),
+                          o=_linear(weights, f"layers.{i}.o", q4k_lib),
                           norm2=weights[f"layers.{i}.norm2"],
-                          gate_up=_linear(weights, f"layers.{i}.gate_up"),
-                          down=_linear(weights, f"layers.{i}.down"))
+                          gate_up=_linear(weights, f"layers.{i}.gate_up", q4k_lib),
+                          down=down,
+                          down_rotated=rotation is not None and isinstance(down, W8A8Linear))
 
         # oneDNN packs a weight on about one core (0.1 s for a 1.5B gate/up) and lets go of the
         # GIL meanwhile: layers packed side by side (1.5B: 3.7 s, one at a time 3.9-5.2 s).
@@ -252,9 +338,9 @@ class LeanDecoder:
         self.norm = weights["norm"]
         self.max_length = int(getattr(config, "max_position_embeddings", 0) or 0)
         self.intermediate = config.intermediate_size
-        self.down_rotation = weights.get("down_rotation")  # see the module docstring
+        head_kind = "dense" if linear == "dense" else "w8a8"  # a GGUF head is Q6_K, not Q4_K
         self.head = LMHead(tuple(weights[f"head.{k}"] for k in ("q", "scale"))
-                           if linear == "w8a8" else (weights["head.weight"],), linear)
+                           if head_kind == "w8a8" else (weights["head.weight"],), head_kind)
         release_weights(model)
 
     def new_cache(self) -> KVCache:
@@ -325,7 +411,7 @@ class LeanDecoder:
             x = x + layer.o(out.transpose(0, 1).reshape(n, q_size).float())
             gate_up = layer.gate_up(self._rms(x, layer.norm2))
             hidden_mlp = F.silu(gate_up[:, :self.intermediate]) * gate_up[:, self.intermediate:]
-            if self.down_rotation is not None:
+            if layer.down_rotated:
                 hidden_mlp = rotate(hidden_mlp, self.down_rotation)
             x = x + layer.down(hidden_mlp)
         hidden = self._rms(x, self.norm)

@@ -1,0 +1,189 @@
+"""The w4a8 lean forward on tiny random models: Q4_K matrices through the native kernel keep a
+verify pass bit-identical to one-token steps (what keeps speculation lossless), "w4a8" takes a
+GGUF's Q4_K numbers only where they are exactly the model's weights, "w4a8-requant" quantizes
+every matrix, and ``load_model`` stores, reloads and falls back to w8a8 with a reason."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import VOCAB, collect, decode, make_tiny_model, perturbed_copy
+from transformers import PreTrainedModel
+
+from localspec.config import ModelSpec
+from localspec.drafters.draft_model import DraftModelDrafter
+from localspec.engine.engine import GenerationRequest, SpeculativeEngine
+from localspec.engine.verify import SamplingParams
+from localspec.models import loading
+from localspec.models.gguf_q4k import hf_module_name, read_q4k_matrices
+from localspec.models.loading import load_model
+from localspec.runtime.decoder import ConcatLinear, LeanDecoder, export_weights
+from localspec.runtime.kernels import KernelUnavailable, Q4KWeights, load_q4k, quantize_q4k
+from localspec.runtime.quant import Q4KLinear, W8A8Linear
+from localspec.runtime.runner import ModelRunner
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory: pytest.TempPathFactory) -> object:
+    try:
+        return load_q4k(tmp_path_factory.mktemp("kernels"))
+    except KernelUnavailable as exc:
+        pytest.skip(f"no Q4_K kernel here: {exc}")
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCALSPEC_CACHE", str(tmp_path / "localspec-cache"))
+
+
+def _tokens(count: int, seed: int) -> list[int]:
+    return torch.randint(0, VOCAB, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _runner(model: PreTrainedModel, kind: str, lib: object,
+            q4k: dict[str, Q4KWeights] | None = None,
+            dtype: torch.dtype = torch.float32) -> ModelRunner:
+    taken = copy.deepcopy(model).to(dtype)
+    return ModelRunner(taken, decoder=LeanDecoder(taken, kind, export_weights(taken, kind, q4k),
+                                                  lib))
+
+
+def _as_q4k(model: PreTrainedModel, names: tuple[str, ...]) -> dict[str, Q4KWeights]:
+    """Make the named modules' weights exactly Q4_K (as a GGUF's are) and return them by name."""
+    found = {}
+    with torch.no_grad():
+        for name in names:
+            module = model.get_submodule(name)
+            found[name] = quantize_q4k(module.weight)
+            module.weight.copy_(found[name].dequantize())
+    return found
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_w4a8_batch_equals_one_token_steps(lib: object, dtype: torch.dtype) -> None:
+    """After any prefix, a pass over n tokens gives bit for bit the logits of n one-token
+    steps, also after cropping back: the w4a8 model is a fixed function of each position."""
+    runner = _runner(make_tiny_model(seed=0), "w4a8-requant", lib, dtype=dtype)
+    assert all(isinstance(layer.gate_up, Q4KLinear) for layer in runner.decoder.layers)
+    tokens = _tokens(50, seed=3)
+    steps = torch.cat([runner.forward([t]) for t in tokens])
+    assert torch.isfinite(steps).all()
+    for prefix in (1, 17):
+        runner.reset()
+        assert torch.equal(runner.forward(tokens[:prefix]), steps[:prefix])
+        for n in (2, 5, 9, 13):
+            runner.crop(prefix)
+            assert torch.equal(runner.forward(tokens[prefix:prefix + n]),
+                               steps[prefix:prefix + n]), (prefix, n)
+
+
+def test_w4a8_requant_follows_the_float_model(lib: object) -> None:
+    """4-bit weights are coarser than int8 but must still be the same model (a packing or
+    scale error would be far off): relative logit error and argmax agreement."""
+    model = make_tiny_model(seed=1)
+    tokens = _tokens(60, seed=1)
+    reference = ModelRunner(model).forward(tokens)
+    logits = _runner(model, "w4a8-requant", lib).forward(tokens)
+    relative = float((logits - reference).norm() / reference.norm())
+    assert relative < 0.15, relative
+    agreement = float((logits.argmax(-1) == reference.argmax(-1)).float().mean())
+    assert agreement >= 0.75, agreement
+
+
+def test_w4a8_takes_q4k_only_where_it_is_the_models_weight(lib: object) -> None:
+    """Exact Q4_K matrices run in the kernel; a mapped matrix that differs from the loaded
+    weight (another layout, another model) is served as w8a8 from the model's own weights, and
+    a fused layer mixes the two in order."""
+    model = make_tiny_model(seed=2)
+    exact = _as_q4k(model, ("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj",
+                            "model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj",
+                            "model.layers.0.mlp.down_proj"))
+    wrong = quantize_q4k(torch.randn(64, 32))  # gate_proj's shape, other numbers
+    mapping = {**exact, "model.layers.1.mlp.gate_proj": wrong}
+    reference = ModelRunner(model).forward(_tokens(30, seed=5))
+    runner = _runner(model, "w4a8", lib, mapping)
+    first, second = runner.decoder.layers
+    assert isinstance(first.qkv, ConcatLinear)
+    assert [type(p) for p in first.qkv.parts] == [Q4KLinear, W8A8Linear]  # q+k, then v
+    assert isinstance(first.gate_up, Q4KLinear) and isinstance(first.down, Q4KLinear)
+    assert not first.down_rotated and second.down_rotated  # only an int8 down is rotated
+    assert isinstance(second.gate_up, W8A8Linear)  # the wrong numbers were not taken
+    logits = runner.forward(_tokens(30, seed=5))
+    assert float((logits - reference).norm() / reference.norm()) < 0.05
+
+
+def test_w4a8_greedy_speculation_equals_plain(lib: object) -> None:
+    """Greedy speculation with a w4a8 target and a 4-bit draft emits exactly plain w4a8
+    greedy decoding's tokens, with drafts both accepted and rejected."""
+    target_model = make_tiny_model(seed=0)
+    target = _runner(target_model, "w4a8-requant", lib)
+    draft = _runner(perturbed_copy(target_model, seed=9, noise=0.05), "w4a8-requant", lib)
+    accepted = rejected = 0
+    for prompt in ([5, 9, 2, 44], [60, 3, 17, 17, 8]):
+        def make(prompt: list[int] = prompt) -> GenerationRequest:
+            return GenerationRequest(prompt_ids=list(prompt), max_new_tokens=30,
+                                     sampling=SamplingParams(), num_speculative_tokens=5,
+                                     adaptive=False)
+
+        plain, _ = collect(SpeculativeEngine(target, None, decode, set()), make())
+        drafter = DraftModelDrafter(draft, target_vocab_size=VOCAB, tokenizer_vocab_size=VOCAB)
+        tokens, events = collect(SpeculativeEngine(target, drafter, decode, set()), make())
+        assert tokens == plain
+        accepted += sum(e.accepted for e in events)
+        rejected += sum(len(e.drafted) - e.accepted for e in events)
+    assert accepted > 0 and rejected > 0, (accepted, rejected)
+
+
+def test_load_w4a8_requant_stores_and_reloads(saved_model_dir: Path, lib: object) -> None:
+    """load_model(..., "w4a8-requant") serves Q4_K layers, stores them, and a second load
+    reads the store (same logits, bit for bit)."""
+    spec = ModelSpec(str(saved_model_dir), dtype="bfloat16", quantization="w4a8-requant")
+    first = load_model(spec)
+    assert isinstance(first.decoder.layers[0].gate_up, Q4KLinear)
+    ids = list(range(3, 30))
+    logits = first.runner().forward(ids)
+    assert torch.isfinite(logits).all()
+    again = load_model(spec)
+    assert torch.equal(again.runner().forward(ids), logits)
+
+
+def test_w4a8_falls_back_to_w8a8_with_a_reason(saved_model_dir: Path,
+                                               monkeypatch: pytest.MonkeyPatch,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    """"w4a8" of a model that is not a GGUF, or on a machine without the kernel, is served as
+    w8a8, and says why (the model still loads and answers)."""
+    messages: list[str] = []
+    with caplog.at_level(logging.WARNING):
+        loaded = load_model(ModelSpec(str(saved_model_dir), dtype="bfloat16",
+                                      quantization="w4a8"),
+                            progress=lambda message, _: messages.append(message))
+    assert isinstance(loaded.decoder.layers[0].gate_up, W8A8Linear)
+    assert any("not a GGUF model" in m for m in messages)
+
+    def unavailable(_: Path) -> object:
+        raise KernelUnavailable("this CPU lacks avx512_vnni")
+
+    monkeypatch.setattr(loading, "load_q4k", unavailable)
+    messages.clear()
+    loaded = load_model(ModelSpec(str(saved_model_dir), dtype="bfloat16",
+                                  quantization="w4a8-requant"),
+                        progress=lambda message, _: messages.append(message))
+    assert isinstance(loaded.decoder.layers[0].gate_up, W8A8Linear)
+    assert any("lacks avx512_vnni" in m for m in messages)
+
+
+def test_gguf_names_and_unreadable_files(tmp_path: Path) -> None:
+    """GGUF tensor names map to the modules they are; a damaged file gives no Q4_K matrices
+    (the model is then served as w8a8), never a traceback."""
+    assert hf_module_name("blk.3.ffn_up.weight") == "model.layers.3.mlp.up_proj"
+    assert hf_module_name("blk.0.attn_v.weight") == "model.layers.0.self_attn.v_proj"
+    assert hf_module_name("output.weight") == "lm_head"
+    assert hf_module_name("blk.0.attn_norm.weight") is None
+    assert hf_module_name("token_embd.weight") is None
+    garbage = tmp_path / "broken.gguf"
+    garbage.write_bytes(b"GGUF" + bytes(range(256)) * 4)
+    assert len(read_q4k_matrices(garbage)) == 0
