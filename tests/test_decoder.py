@@ -38,14 +38,12 @@ from localspec.errors import ModelLoadError
 from localspec.models.loading import load_model
 from localspec.runtime.decoder import (
     CACHE_BLOCK,
-    ROW_ATTENTION_MAX,
     KVCache,
     LeanDecoder,
     LMHead,
-    hadamard,
-    rotate,
     unsupported_reason,
 )
+from localspec.runtime.lean_weights import ROW_ATTENTION_MAX, hadamard, rotate
 from localspec.runtime.quant import DenseLinear, W8A8Linear, quantize_per_channel
 from localspec.runtime.runner import ModelRunner
 

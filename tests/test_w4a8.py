@@ -18,11 +18,12 @@ from localspec.config import ModelSpec
 from localspec.drafters.draft_model import DraftModelDrafter
 from localspec.engine.engine import GenerationRequest, SpeculativeEngine
 from localspec.engine.verify import SamplingParams
-from localspec.models import loading
+from localspec.models import lean_store
 from localspec.models.gguf_q4k import hf_module_name, read_q4k_matrices
 from localspec.models.loading import load_model
-from localspec.runtime.decoder import ConcatLinear, LeanDecoder, export_weights
+from localspec.runtime.decoder import LeanDecoder
 from localspec.runtime.kernels import KernelUnavailable, Q4KWeights, load_q4k, quantize_q4k
+from localspec.runtime.lean_weights import ConcatLinear, export_weights
 from localspec.runtime.quant import Q4KLinear, W8A8Linear
 from localspec.runtime.runner import ModelRunner
 
@@ -167,7 +168,7 @@ def test_w4a8_falls_back_to_w8a8_with_a_reason(saved_model_dir: Path,
     def unavailable(_: Path) -> object:
         raise KernelUnavailable("this CPU lacks avx512_vnni")
 
-    monkeypatch.setattr(loading, "load_q4k", unavailable)
+    monkeypatch.setattr(lean_store, "load_q4k", unavailable)
     messages.clear()
     loaded = load_model(ModelSpec(str(saved_model_dir), dtype="bfloat16",
                                   quantization="w4a8-requant"),

@@ -33,7 +33,9 @@ import torch
 from safetensors.torch import save_file
 from transformers import PreTrainedModel
 
-from localspec.config import cache_root
+from localspec.config import ModelSpec, cache_root
+from localspec.models.builtin import BUILTIN_MODELS
+from localspec.models.cache import Progress, builtin_gguf_path, kernel_dir
 from localspec.models.integrity import (
     MANIFEST_NAME,
     remove_stale_temps,
@@ -41,8 +43,9 @@ from localspec.models.integrity import (
     write_manifest,
     writer_tag,
 )
-from localspec.runtime.decoder import LeanDecoder, export_weights
-from localspec.runtime.kernels import Q4KWeights
+from localspec.runtime.decoder import LeanDecoder
+from localspec.runtime.kernels import KernelUnavailable, Q4KWeights, load_q4k
+from localspec.runtime.lean_weights import export_weights
 
 logger = logging.getLogger(__name__)
 
@@ -178,3 +181,31 @@ def lean_decoder(model: PreTrainedModel, folder: Path, kind: str = "w8a8",
     except OSError as exc:  # a full or read-only disk costs the next start time, nothing else
         logger.warning("could not store %s weights in %s: %s", kind, out_dir, exc)
     return LeanDecoder(model, kind, weights, q4k_lib)
+
+
+def gguf_source(spec: ModelSpec) -> Path | None:
+    """The GGUF file a model is converted from (built-in or a user's .gguf), else None."""
+    if spec.model in BUILTIN_MODELS:
+        return builtin_gguf_path(BUILTIN_MODELS[spec.model])
+    path = Path(spec.model).expanduser()
+    return path if path.suffix == ".gguf" else None
+
+
+def lean_kind(spec: ModelSpec, progress: Progress) -> tuple[str, object | None]:
+    """The lean forward a spec of LEAN_QUANTIZATIONS gets here, and the Q4_K kernel for the
+    w4a8 kinds. They need the native kernel (AVX-512 VNNI and a C compiler), and "w4a8" a GGUF
+    source (its Q4_K matrices); without them it is served as "w8a8", and the log and progress
+    say why."""
+    if spec.quantization == "w8a8":
+        return "w8a8", None
+    if spec.quantization == "w4a8" and gguf_source(spec) is None:
+        reason = "it is not a GGUF model (no Q4_K matrices to keep)"
+    else:
+        try:
+            return spec.quantization, load_q4k(kernel_dir())
+        except KernelUnavailable as exc:
+            reason = f"the Q4_K kernel is unavailable here: {exc}"
+    message = f"{spec.model}: {spec.quantization} served as w8a8 because {reason}"
+    logger.warning(message)
+    progress(message, 0.0)
+    return "w8a8", None

@@ -40,17 +40,15 @@ from localspec.models.builtin import BUILTIN_MODELS
 from localspec.models.cache import (
     MANIFEST_NAME,
     Progress,
-    builtin_gguf_path,
     builtin_model_dir,
     converted_gguf_dir,
-    kernel_dir,
     no_progress,
     verify_manifest,
 )
 from localspec.models.gguf_q4k import read_q4k_matrices
-from localspec.models.lean_store import lean_decoder, stored_decoder
-from localspec.runtime.decoder import LeanDecoder, release_weights, unsupported_reason
-from localspec.runtime.kernels import KernelUnavailable, load_q4k
+from localspec.models.lean_store import gguf_source, lean_decoder, lean_kind, stored_decoder
+from localspec.runtime.decoder import LeanDecoder, unsupported_reason
+from localspec.runtime.lean_weights import release_weights
 from localspec.runtime.quant import quantize_int8_weight_only
 from localspec.runtime.runner import ModelRunner
 
@@ -272,34 +270,6 @@ def _skeleton(folder: Path, dtype: torch.dtype) -> PreTrainedModel | None:
     return model.eval()
 
 
-def _gguf_source(spec: ModelSpec) -> Path | None:
-    """The GGUF file a model is converted from (built-in or a user's .gguf), else None."""
-    if spec.model in BUILTIN_MODELS:
-        return builtin_gguf_path(BUILTIN_MODELS[spec.model])
-    path = Path(spec.model).expanduser()
-    return path if path.suffix == ".gguf" else None
-
-
-def _lean_kind(spec: ModelSpec, progress: Progress) -> tuple[str, object | None]:
-    """The lean forward a spec of LEAN_QUANTIZATIONS gets here, and the Q4_K kernel for the
-    w4a8 kinds. They need the native kernel (AVX-512 VNNI and a C compiler), and "w4a8" a GGUF
-    source (its Q4_K matrices); without them it is served as "w8a8", and the log and progress
-    say why."""
-    if spec.quantization == "w8a8":
-        return "w8a8", None
-    if spec.quantization == "w4a8" and _gguf_source(spec) is None:
-        reason = "it is not a GGUF model (no Q4_K matrices to keep)"
-    else:
-        try:
-            return spec.quantization, load_q4k(kernel_dir())
-        except KernelUnavailable as exc:
-            reason = f"the Q4_K kernel is unavailable here: {exc}"
-    message = f"{spec.model}: {spec.quantization} served as w8a8 because {reason}"
-    logger.warning(message)
-    progress(message, 0.0)
-    return "w8a8", None
-
-
 def _from_lean_store(spec: ModelSpec, folder: Path, dtype: torch.dtype, share: LoadedModel | None,
                      kind: str, q4k_lib: object | None
                      ) -> tuple[object, PreTrainedModel, LeanDecoder] | None:
@@ -335,7 +305,7 @@ def load_model(spec: ModelSpec, progress: Progress = no_progress,
     stored = STORAGE_DTYPES[dtype]
     folder = resolve_model(spec, progress, dtype=stored)
     progress(f"loading {spec.model}", 0.0)
-    kind, q4k_lib = _lean_kind(spec, progress) if lean else ("", None)
+    kind, q4k_lib = lean_kind(spec, progress) if lean else ("", None)
     if lean and (quick := _from_lean_store(spec, folder, dtype, share_tokenizer, kind, q4k_lib)):
         tokenizer, model, decoder = quick
         progress(f"loaded {spec.model}", 1.0)
@@ -367,7 +337,7 @@ def load_model(spec: ModelSpec, progress: Progress = no_progress,
                                  f"CPU forward does not support {reason}. Use 'none' or "
                                  "'int8-weight-only'")
         progress(f"int8 weights of {spec.model}", 0.9)
-        source = _gguf_source(spec) if kind != "w8a8" else None
+        source = gguf_source(spec) if kind != "w8a8" else None
         q4k = read_q4k_matrices(source) if source is not None else None
         decoder = lean_decoder(model, folder, kind, q4k, q4k_lib)
     progress(f"loaded {spec.model}", 1.0)

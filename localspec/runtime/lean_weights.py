@@ -1,0 +1,189 @@
+"""The lean forward's weights: what ``export_weights`` makes of a transformers model, and the
+linear layers ``layer_linear`` builds back from those tensors (freshly made or read from the
+store). Kept apart from the forward itself (``decoder``): this is the part that changes when a
+new weight format arrives.
+
+Formats, by ``kind``: "dense" (the loaded dtype), "w8a8" (int8 rows with one scale each,
+``W8A8Linear``), "w4a8" (a GGUF's Q4_K matrices as stored, ``Q4KLinear``; others w8a8) and
+"w4a8-requant" (every matrix quantized to Q4_K). In the w8a8 layers the down projection's
+weight is turned by a block Hadamard rotation (``hadamard``) and the forward turns its input
+the same way (``rotate``): see the decoder's docstring.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from localspec.runtime.kernels import Q4K_PACKED, Q4KWeights, pack_q4k, quantize_q4k
+from localspec.runtime.quant import DenseLinear, Q4KLinear, W8A8Linear, quantize_per_channel
+
+# Up to this many new tokens, each query row attends in a call of its own over exactly the keys
+# it may see. A masked batch would sum over a longer, zero-padded row, and float sums of another
+# length round differently: a verify pass must compute each token bit for bit as the one-token
+# step of plain decoding does (measured: 2 of 6 real prompts diverged at a near-tie without it).
+# Rotations, too, go row by row up to this many rows.
+ROW_ATTENTION_MAX = 128
+ROTATION_BLOCK = 256  # the largest Hadamard block the down projection's input is turned by
+Linear = Callable[[torch.Tensor], torch.Tensor]
+
+
+def hadamard(width: int) -> torch.Tensor:
+    """The orthonormal Sylvester-Hadamard matrix of the largest power-of-two block (at most
+    ROTATION_BLOCK) that divides ``width``: [block, block] float32, symmetric, H @ H = I."""
+    block = 1
+    while block < ROTATION_BLOCK and width % (2 * block) == 0:
+        block *= 2
+    h = torch.ones(1, 1)
+    while h.shape[0] < block:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return h / block**0.5
+
+
+def rotate(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """x [n, width] times the block-diagonal of ``h``. Up to ROW_ATTENTION_MAX rows, each row
+    is turned in a call of its own: a float32 matmul over several rows may block its sums
+    differently from one over a single row (seen for some widths), and a verify pass must
+    compute each token exactly as a one-token step does."""
+    n, width = x.shape
+    block = h.shape[0]
+    if n == 1 or n > ROW_ATTENTION_MAX:
+        return (x.reshape(n, width // block, block) @ h).reshape(n, width)
+    return torch.cat([(row.reshape(width // block, block) @ h).reshape(1, width)
+                      for row in x])
+
+
+def _fused(kind: str, modules: list[nn.Linear]) -> dict[str, torch.Tensor]:
+    """The tensors of one fused linear layer: int8 rows and scales ("w8a8") or the weight
+    ("dense"), and the bias if any module has one."""
+    weight = torch.cat([m.weight.detach() for m in modules])
+    tensors = dict(zip(("q", "scale"), quantize_per_channel(weight), strict=True)
+                   ) if kind == "w8a8" else {"weight": weight}
+    if any(m.bias is not None for m in modules):
+        tensors["bias"] = torch.cat([torch.zeros(m.out_features) if m.bias is None
+                                     else m.bias.detach().float() for m in modules])
+    return tensors
+
+
+def _exact_q4k(module: nn.Linear, name: str, q4k: Mapping[str, Q4KWeights]) -> Q4KWeights | None:
+    """The module's Q4_K weights if ``q4k`` has them and they are exactly its weight (as
+    loaded, in its dtype): never another model's numbers."""
+    if name not in q4k:
+        return None
+    weights = q4k[name]
+    weight = module.weight.detach()
+    if weights.q.shape != weight.shape or not torch.equal(
+            weights.dequantize().to(weight.dtype), weight):
+        return None
+    return weights
+
+
+def _segments(modules: list[nn.Linear], names: list[str], q4k: Mapping[str, Q4KWeights],
+              requantize: bool) -> list[tuple[str, list[nn.Linear], list[Q4KWeights]]]:
+    """Consecutive modules of one fused layer grouped by how they are served: "q4k" (exact
+    Q4_K weights, or any weight when ``requantize``; rows in blocks of 16, inputs in groups of
+    32) or "w8a8"."""
+    out: list[tuple[str, list[nn.Linear], list[Q4KWeights]]] = []
+    for module, name in zip(modules, names, strict=True):
+        exact = None
+        if module.out_features % 16 == 0 and module.in_features % 32 == 0:
+            exact = _exact_q4k(module, name, q4k)
+            if exact is None and requantize:
+                exact = quantize_q4k(module.weight)
+        kind = "w8a8" if exact is None else "q4k"
+        if out and out[-1][0] == kind:
+            out[-1][1].append(module)
+            if exact is not None:
+                out[-1][2].append(exact)
+        else:
+            out.append((kind, [module], [] if exact is None else [exact]))
+    return out
+
+
+def export_weights(model: PreTrainedModel, kind: str = "w8a8",
+                   q4k: Mapping[str, Q4KWeights] | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor the lean forward needs, quantized as ``kind`` says, by name (what
+    ``localspec.models.lean_store`` saves so that later starts skip the quantization). The
+    model's layer weights are released as they are converted.
+
+    "w4a8": the matrices ``q4k`` holds (by module name, as a GGUF file stores them) that are
+    exactly the model's weights are kept in Q4_K for the native kernel; all others are w8a8.
+    "w4a8-requant": the others are quantized to Q4_K too. A fused layer is then stored as
+    segments ``<name>.<s>.*`` of one kind each."""
+    q4k = q4k or {}
+    backbone = model.base_model
+    module_names = {module: name for name, module in model.named_modules()}
+    weights = {"embed": backbone.embed_tokens.weight.detach().clone(),
+               "norm": backbone.norm.weight.detach().float()}
+    segmented = kind in ("w4a8", "w4a8-requant")
+    if kind != "dense":
+        weights["down_rotation"] = hadamard(model.config.intermediate_size)
+    for i, layer in enumerate(backbone.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        parts = {"qkv": [attn.q_proj, attn.k_proj, attn.v_proj], "o": [attn.o_proj],
+                 "gate_up": [mlp.gate_proj, mlp.up_proj], "down": [mlp.down_proj]}
+        for name, modules in parts.items():
+            segments = [(kind, modules, [])] if not segmented else _segments(
+                modules, [module_names[m] for m in modules], q4k, kind == "w4a8-requant")
+            for s, (seg_kind, seg_modules, exact) in enumerate(segments):
+                prefix = f"layers.{i}.{name}.{s}" if segmented else f"layers.{i}.{name}"
+                if name == "down" and seg_kind == "w8a8":  # x W^T = (x H)(W H)^T
+                    down = mlp.down_proj.weight.detach().float()
+                    mlp.down_proj.weight = nn.Parameter(
+                        rotate(down, weights["down_rotation"]), requires_grad=False)
+                tensors = _fused(seg_kind, seg_modules) if seg_kind != "q4k" else {
+                    **pack_q4k(Q4KWeights.cat(exact)),
+                    **{k: v for k, v in _fused("dense", seg_modules).items() if k == "bias"}}
+                for key, tensor in tensors.items():
+                    weights[f"{prefix}.{key}"] = tensor
+        weights[f"layers.{i}.norm1"] = layer.input_layernorm.weight.detach().float()
+        weights[f"layers.{i}.norm2"] = layer.post_attention_layernorm.weight.detach().float()
+        release_weights(layer)
+    head_kind = "dense" if kind == "dense" else "w8a8"
+    for key, tensor in _fused(head_kind, [model.get_output_embeddings()]).items():
+        weights[f"head.{key}"] = tensor
+    return weights
+
+
+def _one_linear(weights: Mapping[str, torch.Tensor], prefix: str, lib: object | None) -> Linear:
+    bias = weights.get(f"{prefix}.bias")
+    if f"{prefix}.qs" in weights:
+        if lib is None:
+            raise ValueError(f"{prefix} is stored in Q4_K, and no Q4_K kernel was given")
+        return Q4KLinear({k: weights[f"{prefix}.{k}"] for k in Q4K_PACKED}, bias, lib)
+    if f"{prefix}.q" in weights:
+        return W8A8Linear(weights[f"{prefix}.q"], weights[f"{prefix}.scale"], bias)
+    return DenseLinear(weights[f"{prefix}.weight"], bias)
+
+
+class ConcatLinear:
+    """Several linear layers on the same input, outputs side by side (a fused layer whose
+    parts are stored in different forms, e.g. Q4_K q/k and Q6_K-born int8 v)."""
+
+    def __init__(self, parts: list[Linear]) -> None:
+        self.parts = parts
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+
+def layer_linear(weights: Mapping[str, torch.Tensor], prefix: str, lib: object | None) -> Linear:
+    """The layer stored under ``prefix``: one tensor set, or segments ``prefix.0``, ..."""
+    if not any(f"{prefix}.0.{k}" in weights for k in ("qs", "q", "weight")):
+        return _one_linear(weights, prefix, lib)
+    parts = []
+    while any(f"{prefix}.{len(parts)}.{k}" in weights for k in ("qs", "q", "weight")):
+        parts.append(_one_linear(weights, f"{prefix}.{len(parts)}", lib))
+    return parts[0] if len(parts) == 1 else ConcatLinear(parts)
+
+
+def release_weights(model: nn.Module) -> None:
+    """Drop every weight of ``model`` (the lean copies replace them), so that one copy is in
+    memory; the module tree stays for its config and generation settings."""
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            setattr(module, name, nn.Parameter(torch.empty(0, dtype=param.dtype),
+                                               requires_grad=False))
