@@ -236,7 +236,10 @@ class SpeculativeEngine:
     ) -> tuple[Verdict, torch.Tensor]:
         """Run the verifier; also return target probabilities per row for the event."""
         if params.greedy:
-            return verify_greedy(logits, drafts), torch.softmax(logits, dim=-1)
+            # probabilities of the rows whose tokens are kept only: a softmax over 151,936
+            # logits costs ~1 ms a row, and a rejected draft's row is never shown
+            verdict = verify_greedy(logits, drafts)
+            return verdict, torch.softmax(logits[: verdict.num_accepted + 1], dim=-1)
         p_target = logits_to_probs(logits, params)  # [k + 1, vocab]
         q_draft = proposal.q_draft[: len(drafts)] if proposal.q_draft is not None else None
         return verify_sampling(p_target, q_draft, drafts, generator), p_target
