@@ -9,6 +9,7 @@ exactly what one-token steps compute. Shapes are small; CPUs without AVX-512 VNN
 from __future__ import annotations
 
 import ctypes
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -240,18 +241,32 @@ def test_cat_equals_the_parts_bit_for_bit(lib: ctypes.CDLL) -> None:
 
 
 def test_load_q4k_builds_once_per_cache(lib: ctypes.CDLL, tmp_path: Path) -> None:
-    """The first load compiles into the cache (one .so, no temporary left over); the next one
-    reuses it (a rebuild would replace the file: new inode and mtime)."""
+    """The first load compiles into the cache (the .so and its digest, no temporary left
+    over); the next one reuses it (a rebuild would replace the file: new inode and mtime); a
+    damaged library is rebuilt, never loaded."""
     cache = tmp_path / "kernels"
     first = load_q4k(cache)
-    built = list(cache.iterdir())
-    assert len(built) == 1 and built[0].suffix == ".so", built
-    before = built[0].stat()
+    built = sorted(cache.iterdir())
+    assert [p.suffix for p in built] == [".so", ".sha256"], built
+    library = built[0]
+    before = library.stat()
     second = load_q4k(cache)
-    after = built[0].stat()
+    after = library.stat()
     assert (after.st_mtime_ns, after.st_ino) == (before.st_mtime_ns, before.st_ino)
-    assert list(cache.iterdir()) == built
+    assert sorted(cache.iterdir()) == built
     assert first.q4k_linear is not None and second.q4k_linear is not None
+
+    # a damaged copy in a cache this process never loaded from (writing into a library that
+    # is mapped would crash the process that mapped it, which is why builds replace files)
+    other = tmp_path / "other"
+    shutil.copytree(cache, other)
+    damaged = other / library.name
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    third = load_q4k(other)
+    assert third.q4k_linear is not None
+    assert damaged.read_bytes() != bytes(data)  # rebuilt, not loaded as it was
 
 
 # ----------------------------------------------------------------------------- the real file
@@ -282,3 +297,12 @@ def test_parse_q4k_equals_gguf_dequantize_on_the_real_target() -> None:
                        dtype=np.float32).reshape(n, k))
         assert ours.shape == (n, k)
         assert torch.equal(ours, theirs), name
+
+
+def test_load_q4k_in_an_unwritable_place_says_why(tmp_path: Path) -> None:
+    """A cache that cannot take the library (here: a file where the folder should be) is
+    KernelUnavailable with the reason, which callers turn into a w8a8 fallback."""
+    blocker = tmp_path / "kernels"
+    blocker.write_text("not a folder")
+    with pytest.raises(KernelUnavailable):
+        load_q4k(blocker)

@@ -53,7 +53,12 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 def _build(out: Path) -> None:
+    """Compile into ``out``, with its SHA-256 beside it (``<name>.sha256``)."""
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
         raise KernelUnavailable("no C compiler (cc or gcc) on PATH")
@@ -64,19 +69,34 @@ def _build(out: Path) -> None:
                                 capture_output=True, text=True, timeout=300)
         if result.returncode != 0:
             raise KernelUnavailable(f"compiling {SOURCE.name} failed: {result.stderr[-500:]}")
+        digest = Path(tmp) / "digest"
+        digest.write_text(_digest(built))
         built.replace(out)  # atomic: a concurrent or interrupted build never leaves half a file
+        digest.replace(out.with_name(out.name + ".sha256"))
+
+
+def _intact(path: Path) -> bool:
+    """Whether the library is there and matches the digest written when it was built (a
+    damaged file in the cache is rebuilt, never loaded: it would be native code)."""
+    try:
+        return _digest(path) == path.with_name(path.name + ".sha256").read_text().strip()
+    except OSError:
+        return False
 
 
 def load_q4k(cache_dir: Path) -> ctypes.CDLL:
-    """The compiled Q4_K kernel (built into ``cache_dir`` on first use);
-    KernelUnavailable when this CPU or system cannot have it."""
+    """The compiled Q4_K kernel (built into ``cache_dir`` on first use, and again when the
+    cached copy fails its digest); KernelUnavailable when this CPU or system cannot have it."""
     missing = [f for f in REQUIRED_CPU_FLAGS if f not in _cpu_flags()]
     if missing:
         raise KernelUnavailable(f"this CPU lacks {', '.join(missing)}")
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:16]
     path = cache_dir / f"q4k-{key}.so"
-    if not path.is_file():
-        _build(path)
+    if not _intact(path):
+        try:
+            _build(path)
+        except (OSError, subprocess.SubprocessError) as exc:  # unwritable cache, hung compiler
+            raise KernelUnavailable(f"building {path} failed: {exc}") from exc
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as exc:
