@@ -6,7 +6,6 @@ every matrix, and ``load_model`` stores, reloads and falls back to w8a8 with a r
 from __future__ import annotations
 
 import copy
-import logging
 from pathlib import Path
 
 import pytest
@@ -152,29 +151,27 @@ def test_load_w4a8_requant_stores_and_reloads(saved_model_dir: Path, lib: object
     assert torch.equal(again.runner().forward(ids), logits)
 
 
+def _served_as(folder: Path, quantization: str) -> tuple[type, list[str]]:
+    """The class of the first gate/up layer load_model gives, and the progress messages."""
+    messages: list[str] = []
+    loaded = load_model(ModelSpec(str(folder), dtype="bfloat16", quantization=quantization),
+                        progress=lambda message, _: messages.append(message))
+    return type(loaded.decoder.layers[0].gate_up), messages
+
+
 def test_w4a8_falls_back_to_w8a8_with_a_reason(saved_model_dir: Path,
-                                               monkeypatch: pytest.MonkeyPatch,
-                                               caplog: pytest.LogCaptureFixture) -> None:
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """"w4a8" of a model that is not a GGUF, or on a machine without the kernel, is served as
     w8a8, and says why (the model still loads and answers)."""
-    messages: list[str] = []
-    with caplog.at_level(logging.WARNING):
-        loaded = load_model(ModelSpec(str(saved_model_dir), dtype="bfloat16",
-                                      quantization="w4a8"),
-                            progress=lambda message, _: messages.append(message))
-    assert isinstance(loaded.decoder.layers[0].gate_up, W8A8Linear)
-    assert any("not a GGUF model" in m for m in messages)
+    kind, messages = _served_as(saved_model_dir, "w4a8")
+    assert kind is W8A8Linear and any("not a GGUF model" in m for m in messages)
 
     def unavailable(_: Path) -> object:
         raise KernelUnavailable("this CPU lacks avx512_vnni")
 
     monkeypatch.setattr(lean_store, "load_q4k", unavailable)
-    messages.clear()
-    loaded = load_model(ModelSpec(str(saved_model_dir), dtype="bfloat16",
-                                  quantization="w4a8-requant"),
-                        progress=lambda message, _: messages.append(message))
-    assert isinstance(loaded.decoder.layers[0].gate_up, W8A8Linear)
-    assert any("lacks avx512_vnni" in m for m in messages)
+    kind, messages = _served_as(saved_model_dir, "w4a8-requant")
+    assert kind is W8A8Linear and any("lacks avx512_vnni" in m for m in messages)
 
 
 def test_gguf_names_and_unreadable_files(tmp_path: Path) -> None:

@@ -336,7 +336,7 @@ def load_model(spec: ModelSpec, progress: Progress = no_progress,
             raise ModelLoadError(f"quantization '{spec.quantization}' of {spec.model}: the lean "
                                  f"CPU forward does not support {reason}. Use 'none' or "
                                  "'int8-weight-only'")
-        progress(f"int8 weights of {spec.model}", 0.9)
+        progress(f"{kind} weights of {spec.model}", 0.9)
         source = gguf_source(spec) if kind != "w8a8" else None
         q4k = read_q4k_matrices(source) if source is not None else None
         decoder = lean_decoder(model, folder, kind, q4k, q4k_lib)

@@ -3,7 +3,8 @@
 Why not the Hugging Face forward: on a 2-core CPU a 0.5B draft step spent about half its time
 in Python, masks and ``DynamicCache`` bookkeeping, and its linear layers are ``nn.Linear`` in
 bfloat16 (3 GB read per token of the 1.5B). Here each layer is seven tensor calls deep: fused
-q/k/v and fused gate/up projections in int8 (``W8A8Linear``), RoPE from the model's own rotary
+q/k/v and fused gate/up projections in int8 (``W8A8Linear``) or in a GGUF's own 4-bit Q4_K
+(``Q4KLinear``, the native kernel; formats in ``lean_weights``), RoPE from the model's own rotary
 module (so every ``rope_scaling`` transformers knows is honoured), the new keys and values
 written in place into a static cache, and PyTorch's SDPA with grouped-query heads. Rolling the
 cache back is a length change: stale positions are simply overwritten by the next pass.
@@ -134,8 +135,9 @@ class LMHead:
 class LeanDecoder:
     """Hidden states of a Llama-family model, computed with the given linear-layer kind.
 
-    ``linear`` is "w8a8" (int8 weights, per-token int8 activations) or "dense" (the loaded
-    dtype). ``head`` computes logits; a runner asks it for the rows it needs.
+    ``linear`` is "w8a8" (int8 weights, per-token int8 activations), "w4a8" / "w4a8-requant"
+    (Q4_K weights where there are some, see ``lean_weights``) or "dense" (the loaded dtype).
+    ``head`` computes logits; a runner asks it for the rows it needs.
     """
 
     def __init__(self, model: PreTrainedModel, linear: str = "w8a8",
