@@ -20,9 +20,11 @@ from localspec.runtime.kernels import (
     GROUP,
     KernelUnavailable,
     Q4KWeights,
+    cpu_flags,
     load_q4k,
     pack_q4k,
     parse_q4k,
+    pick_variant,
     quantize_q4k,
 )
 from localspec.runtime.quant import Q4KLinear
@@ -306,3 +308,28 @@ def test_load_q4k_in_an_unwritable_place_says_why(tmp_path: Path) -> None:
     blocker.write_text("not a folder")
     with pytest.raises(KernelUnavailable):
         load_q4k(blocker)
+
+
+def test_avx2_variant_gives_the_same_bits(lib: ctypes.CDLL, tmp_path: Path) -> None:
+    """CPUs without AVX-512 VNNI (most laptops) run the AVX2 variant: the same integer sums
+    and the same float operations on each lane, so the served model is the same model,
+    bit for bit, whichever variant a machine builds."""
+    if not {"avx2", "fma"} <= cpu_flags():
+        pytest.skip("this CPU cannot run the AVX2 variant")
+    avx2 = load_q4k(tmp_path / "avx2", variant="avx2")
+    weights = quantize_q4k(_weights(48, 896, seed=21))
+    bias = torch.randn(48, generator=torch.Generator().manual_seed(22))
+    for rows in (1, 3, 5, 9, 17):
+        x = _inputs(rows, 896, seed=rows)
+        wide = Q4KLinear.from_weights(weights, bias, lib)(x)
+        narrow = Q4KLinear.from_weights(weights, bias, avx2)(x)
+        assert torch.equal(wide, narrow), rows
+
+
+def test_pick_variant() -> None:
+    """The best variant a CPU has; neither is a KernelUnavailable that says so."""
+    assert pick_variant({"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx2", "fma"}) == (
+        "avx512")
+    assert pick_variant({"avx2", "fma", "sse4_2"}) == "avx2"
+    with pytest.raises(KernelUnavailable, match="AVX2"):
+        pick_variant({"sse4_2"})

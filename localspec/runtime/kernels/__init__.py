@@ -6,11 +6,12 @@ served as int8 it reads 1.8x the bytes. PyTorch's CPU int4 kernel
 (``_weight_int4pack_mm_for_cpu``) takes float activations and costs 8x more at 16 rows than at
 one, which ruins verification, and torchao's W4A8 CPU kernels are not in its PyPI wheel. So
 ``q4k.c`` multiplies Q4_K weights, exactly as the file holds them, by int8 activations with
-VNNI, flat up to several rows and bit-identical whatever the number of rows (see the C file).
+VNNI (or AVX2 on CPUs without AVX-512, with the same bits), flat up to several rows and
+bit-identical whatever the number of rows (see the C file).
 
 The library is compiled once per source and flags into the LocalSpec cache (``kernels/``);
-where there is no compiler or no AVX-512 VNNI, ``load_q4k`` says why and callers keep the
-oneDNN int8 path.
+where there is no compiler or neither AVX-512 VNNI nor AVX2, ``load_q4k`` says why and
+callers keep the oneDNN int8 path.
 """
 
 from __future__ import annotations
@@ -28,9 +29,11 @@ import numpy as np
 import torch
 
 SOURCE = Path(__file__).with_name("q4k.c")
-CFLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl",
-          "-mavx512vnni", "-mfma")
-REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+CFLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp")
+# variant -> (CPU flags it needs, its compiler flags), best first; both give the same bits
+VARIANTS = {"avx512": (("avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
+                       ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma")),
+            "avx2": (("avx2", "fma"), ("-mavx2", "-mfma", "-DQ4K_AVX2"))}
 BLOCK_ROWS = 16  # output rows interleaved per block
 GROUP = 32  # inputs per (scale, min) pair
 SUPER = 256  # inputs per (d, dmin) pair: one Q4_K block
@@ -42,7 +45,8 @@ class KernelUnavailable(RuntimeError):
     """The native kernel cannot run here (the message says why)."""
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
+    """The CPU feature flags /proc/cpuinfo lists (empty where there is none)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -57,7 +61,7 @@ def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _build(out: Path) -> None:
+def _build(out: Path, flags: tuple[str, ...]) -> None:
     """Compile into ``out``, with its SHA-256 beside it (``<name>.sha256``)."""
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
@@ -65,7 +69,7 @@ def _build(out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         built = Path(tmp) / out.name
-        result = subprocess.run([compiler, *CFLAGS, str(SOURCE), "-o", str(built), "-lm"],
+        result = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built), "-lm"],
                                 capture_output=True, text=True, timeout=300)
         if result.returncode != 0:
             raise KernelUnavailable(f"compiling {SOURCE.name} failed: {result.stderr[-500:]}")
@@ -84,17 +88,27 @@ def _intact(path: Path) -> bool:
         return False
 
 
-def load_q4k(cache_dir: Path) -> ctypes.CDLL:
+def pick_variant(flags: set[str]) -> str:
+    """The best kernel variant a CPU with ``flags`` (as /proc/cpuinfo names them) can run."""
+    for name, (needed, _) in VARIANTS.items():
+        if all(f in flags for f in needed):
+            return name
+    raise KernelUnavailable("this CPU has neither AVX-512 VNNI nor AVX2 with FMA")
+
+
+def load_q4k(cache_dir: Path, variant: str | None = None) -> ctypes.CDLL:
     """The compiled Q4_K kernel (built into ``cache_dir`` on first use, and again when the
-    cached copy fails its digest); KernelUnavailable when this CPU or system cannot have it."""
-    missing = [f for f in REQUIRED_CPU_FLAGS if f not in _cpu_flags()]
-    if missing:
-        raise KernelUnavailable(f"this CPU lacks {', '.join(missing)}")
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:16]
-    path = cache_dir / f"q4k-{key}.so"
+    cached copy fails its digest); ``variant`` (default: the best this CPU runs) names one of
+    VARIANTS. KernelUnavailable when this CPU or system cannot have it."""
+    variant = variant or pick_variant(cpu_flags())
+    if variant not in VARIANTS:
+        raise KernelUnavailable(f"unknown kernel variant {variant!r}")
+    flags = (*CFLAGS, *VARIANTS[variant][1])
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
+    path = cache_dir / f"q4k-{variant}-{key}.so"
     if not _intact(path):
         try:
-            _build(path)
+            _build(path, flags)
         except (OSError, subprocess.SubprocessError) as exc:  # unwritable cache, hung compiler
             raise KernelUnavailable(f"building {path} failed: {exc}") from exc
     try:

@@ -32,9 +32,8 @@ static void quantize_rows(const float *x, int64_t m_rows, int64_t k, int8_t *xq,
     for (int64_t m = 0; m < m_rows; m++) {
         for (int64_t g = 0; g < groups; g++) {
             const float *src = x + m * k + g * 32;
-            __m512 a = _mm512_abs_ps(_mm512_loadu_ps(src));
-            __m512 b = _mm512_abs_ps(_mm512_loadu_ps(src + 16));
-            float amax = _mm512_reduce_max_ps(_mm512_max_ps(a, b));
+            float amax = 0.0f;  /* a maximum is exact in any order: the same on every ISA */
+            for (int j = 0; j < 32; j++) amax = fabsf(src[j]) > amax ? fabsf(src[j]) : amax;
             float scale = amax / 127.0f;
             float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
             int8_t *dst = xq + m * k + g * 32;
@@ -51,6 +50,7 @@ static void quantize_rows(const float *x, int64_t m_rows, int64_t k, int8_t *xq,
     }
 }
 
+#ifndef Q4K_AVX2
 /* Rows m0..m0+rows-1 of block b: 16 outputs each. Always inlined with a constant ``rows``,
  * so that the accumulators live in registers. */
 static inline __attribute__((always_inline)) void block_rows(const uint8_t *qs, const uint8_t *sc, const uint8_t *mn,
@@ -99,6 +99,65 @@ static inline __attribute__((always_inline)) void block_rows(const uint8_t *qs, 
     for (int r = 0; r < rows; r++) _mm512_storeu_ps(y + (m0 + r) * n + b * 16, out[r]);
 }
 
+#else
+/* The AVX2 variant (CPUs without AVX-512 VNNI): the same integer sums, made with
+ * VPMADDUBSW (u8 x s8 pairs, at most 2 * 15 * 127: no saturation) and VPMADDWD, and the same
+ * float operations on each lane, so its output is bit for bit the AVX-512 one. It takes the
+ * 16-row blocks in two halves of 8 rows (bytes 0..31 and 32..63 of each 64-byte load). */
+#undef ROWS_PER_PASS
+#define ROWS_PER_PASS 4
+static inline __attribute__((always_inline)) void block_rows(
+        const uint8_t *qs, const uint8_t *sc, const uint8_t *mn, const float *d,
+        const float *dmin, const int8_t *xq, const float *xs, const float *xsum, float *y,
+        int64_t b, int64_t m0, int rows, int64_t n, int64_t k) {
+    const int64_t groups = k / 32, supers = (groups + 7) / 8;
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    for (int h = 0; h < 2; h++) {
+        __m256 out[ROWS_PER_PASS];
+        for (int r = 0; r < rows; r++) out[r] = _mm256_setzero_ps();
+        const uint8_t *wq = qs + b * groups * 256 + h * 32;
+        const uint8_t *wsc = sc + b * groups * 16 + h * 8;
+        const uint8_t *wmn = mn + b * groups * 16 + h * 8;
+        __m256 vd = _mm256_setzero_ps(), vdmin = _mm256_setzero_ps();
+        for (int64_t g = 0; g < groups; g++) {
+            if ((g & 7) == 0) {
+                vd = _mm256_loadu_ps(d + (b * supers + g / 8) * 16 + h * 8);
+                vdmin = _mm256_loadu_ps(dmin + (b * supers + g / 8) * 16 + h * 8);
+            }
+            __m256i acc[ROWS_PER_PASS];
+            for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_si256();
+            for (int i = 0; i < 4; i++) {
+                _mm_prefetch((const char *)(wq + (g + PREFETCH) * 256 + i * 64), _MM_HINT_T0);
+                __m256i v = _mm256_loadu_si256((const void *)(wq + g * 256 + i * 64));
+                __m256i w0 = _mm256_and_si256(v, low);
+                __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                for (int r = 0; r < rows; r++) {
+                    const int8_t *a = xq + (m0 + r) * k + g * 32 + 8 * i;
+                    __m256i a0 = _mm256_set1_epi32(*(const int32_t *)a);
+                    __m256i a1 = _mm256_set1_epi32(*(const int32_t *)(a + 4));
+                    acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(w0, a0), ones));
+                    acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(w1, a1), ones));
+                }
+            }
+            __m256 vsc = _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                _mm_loadl_epi64((const void *)(wsc + g * 16)))));
+            __m256 vmn = _mm256_mul_ps(vdmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                _mm_loadl_epi64((const void *)(wmn + g * 16)))));
+            for (int r = 0; r < rows; r++) {
+                int64_t at = (m0 + r) * groups + g;
+                __m256 s = _mm256_mul_ps(vsc, _mm256_set1_ps(xs[at]));
+                out[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), s, out[r]);
+                out[r] = _mm256_fnmadd_ps(vmn, _mm256_set1_ps(xsum[at]), out[r]);
+            }
+        }
+        for (int r = 0; r < rows; r++)
+            _mm256_storeu_ps(y + (m0 + r) * n + b * 16 + h * 8, out[r]);
+    }
+}
+#endif
+
 /* y [m_rows, n] = x [m_rows, k] times the packed weights; k % 32 == 0, n % 16 == 0.
  * Returns 0, or -1 when the scratch memory could not be had. */
 int q4k_linear(const float *x, int64_t m_rows, int64_t k, const uint8_t *qs, const uint8_t *sc,
@@ -120,7 +179,10 @@ int q4k_linear(const float *x, int64_t m_rows, int64_t k, const uint8_t *qs, con
             int64_t rows = m_rows - m0 < ROWS_PER_PASS ? m_rows - m0 : ROWS_PER_PASS;
             switch (rows) {
 #define ROWS(R) case R: block_rows(qs, sc, mn, d, dmin, xq, xs, xsum, y, b, m0, R, n, k); break;
-                ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+                ROWS(1) ROWS(2) ROWS(3) ROWS(4)
+#if ROWS_PER_PASS > 4
+                ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+#endif
 #undef ROWS
             }
         }
