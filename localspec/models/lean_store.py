@@ -193,9 +193,9 @@ def gguf_source(spec: ModelSpec) -> Path | None:
 
 def lean_kind(spec: ModelSpec, progress: Progress) -> tuple[str, object | None]:
     """The lean forward a spec of LEAN_QUANTIZATIONS gets here, and the Q4_K kernel for the
-    w4a8 kinds. They need the native kernel (AVX-512 VNNI and a C compiler), and "w4a8" a GGUF
-    source (its Q4_K matrices); without them it is served as "w8a8", and the log and progress
-    say why."""
+    w4a8 kinds. They need the native kernel (AVX2 or AVX-512 VNNI, and a C compiler), and
+    "w4a8" a GGUF source (its Q4_K matrices); without them it is served as "w8a8", and the log
+    and progress say why."""
     if spec.quantization == "w8a8":
         return "w8a8", None
     if spec.quantization == "w4a8" and gguf_source(spec) is None:

@@ -1,4 +1,5 @@
-/* W4A8 matrix product over GGUF Q4_K weights, for CPUs with AVX-512 VNNI.
+/* W4A8 matrix product over GGUF Q4_K weights, for CPUs with AVX-512 VNNI (or AVX2, built
+ * with -DQ4K_AVX2: the same bits, see the variant below).
  *
  * y[m, n] = sum_k x[m, k] * w[n, k], where w is stored exactly as a Q4_K file has it:
  * w = d * sc_g * q - dmin * mn_g, q in 0..15, one (sc, mn) pair of 6-bit integers per group
