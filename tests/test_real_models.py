@@ -21,10 +21,13 @@ from localspec.config import ModelSpec
 from localspec.drafters.lookup_first import LookupFirstDrafter
 from localspec.engine.engine import GenerationError
 from localspec.models.builtin import BUILTIN_MODELS
-from localspec.models.cache import _source_files
+from localspec.models.cache import _source_files, kernel_dir
 from localspec.models.loading import ModelLoadError, check_same_tokenizer, load_model
 from localspec.pipeline import Pipeline
 from localspec.presets import load_preset
+from localspec.runtime.kernels import KernelUnavailable, load_q4k
+from localspec.runtime.lean_weights import ConcatLinear
+from localspec.runtime.quant import Q4KLinear
 
 pytestmark = pytest.mark.real_model
 REPO = Path(__file__).resolve().parent.parent
@@ -40,9 +43,23 @@ def smollm() -> Pipeline:
     return Pipeline.load(load_preset("cpu-smollm2-ngram"))
 
 
+def test_default_pair_serves_the_files_q4k_matrices(qwen_pair: Pipeline) -> None:
+    """w4a8 takes the GGUF's Q4_K matrices where they are (every layer's gate/up; q/k beside
+    an int8 v in half the layers), not a silent int8 fallback; the draft is all 4-bit."""
+    try:
+        load_q4k(kernel_dir())
+    except KernelUnavailable as exc:
+        pytest.skip(f"no Q4_K kernel here: {exc}")
+    layers = qwen_pair.target.decoder.layers
+    assert all(isinstance(layer.gate_up, Q4KLinear) for layer in layers)
+    assert sum(isinstance(layer.down, Q4KLinear) for layer in layers) == len(layers) // 2
+    assert sum(isinstance(layer.qkv, ConcatLinear) for layer in layers) == len(layers) // 2
+    assert all(isinstance(layer.o, Q4KLinear) for layer in qwen_pair.draft.decoder.layers)
+
+
 def test_default_pair_greedy_equal_on_real_models(qwen_pair: Pipeline) -> None:
-    """w8a8 target + 0.5B draft: draft_model and ngram give the target's own greedy tokens,
-    bit for bit (a w8a8 verify pass computes each row exactly as a one-token step does)."""
+    """w4a8 target + 4-bit 0.5B draft: draft_model and ngram give the target's own greedy
+    tokens, bit for bit (a verify pass computes each row exactly as a one-token step does)."""
     prompts = [p for p in load_prompts(None)
                if p["category"] in ("code generation", "code editing")]
     results = check_greedy(qwen_pair, prompts[:3], ["draft_model", "ngram"], 40, log=lambda _: None)

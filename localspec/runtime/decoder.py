@@ -34,6 +34,7 @@ from localspec.runtime.lean_weights import (
     ROW_ATTENTION_MAX,
     Linear,
     export_weights,
+    head_kind,
     layer_linear,
     release_weights,
     rotate,
@@ -184,9 +185,9 @@ class LeanDecoder:
         self.norm = weights["norm"]
         self.max_length = int(getattr(config, "max_position_embeddings", 0) or 0)
         self.intermediate = config.intermediate_size
-        head_kind = "dense" if linear == "dense" else "w8a8"  # a GGUF head is Q6_K, not Q4_K
+        kind = head_kind(linear)
         self.head = LMHead(tuple(weights[f"head.{k}"] for k in ("q", "scale"))
-                           if head_kind == "w8a8" else (weights["head.weight"],), head_kind)
+                           if kind == "w8a8" else (weights["head.weight"],), kind)
         release_weights(model)
 
     def new_cache(self) -> KVCache:

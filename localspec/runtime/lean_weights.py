@@ -56,12 +56,23 @@ def rotate(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
                       for row in x])
 
 
-def _fused(kind: str, modules: list[nn.Linear]) -> dict[str, torch.Tensor]:
-    """The tensors of one fused linear layer: int8 rows and scales ("w8a8") or the weight
-    ("dense"), and the bias if any module has one."""
-    weight = torch.cat([m.weight.detach() for m in modules])
-    tensors = dict(zip(("q", "scale"), quantize_per_channel(weight), strict=True)
-                   ) if kind == "w8a8" else {"weight": weight}
+def head_kind(kind: str) -> str:
+    """How the LM head is served under ``kind``: a GGUF head is Q6_K, never Q4_K, so it is
+    int8 for every quantized kind."""
+    return "dense" if kind == "dense" else "w8a8"
+
+
+def _fused(kind: str, modules: list[nn.Linear],
+           exact: list[Q4KWeights] | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of one fused linear layer: the packed ``exact`` Q4_K weights ("q4k"),
+    int8 rows and scales ("w8a8") or the weight ("dense"), and the bias if any module has
+    one."""
+    if kind == "q4k":
+        tensors = pack_q4k(Q4KWeights.cat(exact or []))
+    else:
+        weight = torch.cat([m.weight.detach() for m in modules])
+        tensors = dict(zip(("q", "scale"), quantize_per_channel(weight), strict=True)
+                       ) if kind == "w8a8" else {"weight": weight}
     if any(m.bias is not None for m in modules):
         tensors["bias"] = torch.cat([torch.zeros(m.out_features) if m.bias is None
                                      else m.bias.detach().float() for m in modules])
@@ -134,16 +145,12 @@ def export_weights(model: PreTrainedModel, kind: str = "w8a8",
                     down = mlp.down_proj.weight.detach().float()
                     mlp.down_proj.weight = nn.Parameter(
                         rotate(down, weights["down_rotation"]), requires_grad=False)
-                tensors = _fused(seg_kind, seg_modules) if seg_kind != "q4k" else {
-                    **pack_q4k(Q4KWeights.cat(exact)),
-                    **{k: v for k, v in _fused("dense", seg_modules).items() if k == "bias"}}
-                for key, tensor in tensors.items():
+                for key, tensor in _fused(seg_kind, seg_modules, exact).items():
                     weights[f"{prefix}.{key}"] = tensor
         weights[f"layers.{i}.norm1"] = layer.input_layernorm.weight.detach().float()
         weights[f"layers.{i}.norm2"] = layer.post_attention_layernorm.weight.detach().float()
         release_weights(layer)
-    head_kind = "dense" if kind == "dense" else "w8a8"
-    for key, tensor in _fused(head_kind, [model.get_output_embeddings()]).items():
+    for key, tensor in _fused(head_kind(kind), [model.get_output_embeddings()]).items():
         weights[f"head.{key}"] = tensor
     return weights
 
