@@ -295,7 +295,8 @@ def test_lm_head_rows(kind: str) -> None:
     generator = torch.Generator().manual_seed(3)
     weight = torch.randn(VOCAB, 32, generator=generator)
     hidden = torch.randn(5, 32, generator=generator)
-    head = LMHead(quantize_per_channel(weight) if kind == "w8a8" else (weight,), kind)
+    head = LMHead(dict(zip(("q", "scale"), quantize_per_channel(weight), strict=True))
+                  if kind == "w8a8" else {"weight": weight})
     assert head.vocab_size == VOCAB
     full = head.logits(hidden)
     assert full.shape == (5, VOCAB) and torch.isfinite(full).all()

@@ -1,4 +1,5 @@
-"""The native Q4_K kernel (``localspec.runtime.kernels``, ``q4k.c``) and ``Q4KLinear``.
+"""The native Q4_K and Q6_K kernels (``localspec.runtime.kernels``, ``q4k.c``), ``Q4KLinear``
+and ``Q6KLinear``.
 
 What speculation needs from it: the product it computes is the documented one (Q4_K weights
 times activations quantized to int8 per group of 32), and a row's output is bit for bit the same
@@ -20,14 +21,18 @@ from localspec.runtime.kernels import (
     GROUP,
     KernelUnavailable,
     Q4KWeights,
+    Q6KWeights,
     cpu_flags,
     load_q4k,
     pack_q4k,
+    pack_q6k,
     parse_q4k,
+    parse_q6k,
     pick_variant,
     quantize_q4k,
+    quantize_q6k,
 )
-from localspec.runtime.quant import Q4KLinear
+from localspec.runtime.quant import Q4KLinear, Q6KLinear
 
 ROWS_PER_PASS = 8  # q4k.c's ROWS_PER_PASS: batch sizes around and past it are the risky ones
 
@@ -67,7 +72,8 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     return (q * (amax / 127.0)).view(m, k)
 
 
-def reference(x: torch.Tensor, weights: Q4KWeights, bias: torch.Tensor | None) -> torch.Tensor:
+def reference(x: torch.Tensor, weights: Q4KWeights | Q6KWeights,
+              bias: torch.Tensor | None) -> torch.Tensor:
     """What the kernel computes, in float32 torch (up to the order of the float sums)."""
     y = quantize_activations(x) @ weights.dequantize().T
     return y if bias is None else y + bias
@@ -275,9 +281,10 @@ def test_load_q4k_builds_once_per_cache(lib: ctypes.CDLL, tmp_path: Path) -> Non
 
 
 @pytest.mark.real_model
-def test_parse_q4k_equals_gguf_dequantize_on_the_real_target() -> None:
-    """parse_q4k decodes the built-in target's Q4_K bytes exactly as gguf-py does (the same
-    float32 values, bit for bit), so the kernel serves the weights the file holds."""
+def test_parse_equals_gguf_dequantize_on_the_real_target() -> None:
+    """parse_q4k and parse_q6k decode the built-in target's Q4_K and Q6_K bytes exactly as
+    gguf-py does (the same float32 values, bit for bit), so the kernels serve the weights the
+    file holds."""
     gguf = pytest.importorskip("gguf")
     from localspec.errors import ModelLoadError
     from localspec.models.builtin import BUILTIN_MODELS
@@ -287,13 +294,15 @@ def test_parse_q4k_equals_gguf_dequantize_on_the_real_target() -> None:
         path = assemble_builtin(BUILTIN_MODELS["qwen2.5-coder-1.5b-instruct"])
     except ModelLoadError as exc:
         pytest.skip(f"the built-in target is not available: {exc}")
-    wanted = ("blk.0.attn_q.weight", "blk.0.attn_k.weight")
-    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors if t.name in wanted}
-    assert set(tensors) == set(wanted)
+    kinds = {"blk.0.attn_q.weight": "Q4_K", "blk.0.attn_k.weight": "Q4_K",
+             "blk.0.attn_v.weight": "Q6_K", "blk.0.ffn_down.weight": "Q6_K"}
+    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors if t.name in kinds}
+    assert set(tensors) == set(kinds)
     for name, tensor in tensors.items():
-        assert tensor.tensor_type == gguf.GGMLQuantizationType.Q4_K, name
+        assert tensor.tensor_type.name == kinds[name], name
         k, n = (int(s) for s in tensor.shape[:2])
-        ours = parse_q4k(np.asarray(tensor.data), n, k).dequantize()
+        parse = parse_q4k if kinds[name] == "Q4_K" else parse_q6k
+        ours = parse(np.asarray(tensor.data), n, k).dequantize()
         theirs = torch.from_numpy(
             np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type),
                        dtype=np.float32).reshape(n, k))
@@ -317,13 +326,69 @@ def test_avx2_variant_gives_the_same_bits(lib: ctypes.CDLL, tmp_path: Path) -> N
     if not {"avx2", "fma"} <= cpu_flags():
         pytest.skip("this CPU cannot run the AVX2 variant")
     avx2 = load_q4k(tmp_path / "avx2", variant="avx2")
-    weights = quantize_q4k(_weights(48, 896, seed=21))
     bias = torch.randn(48, generator=torch.Generator().manual_seed(22))
-    for rows in (1, 3, 5, 9, 17):
-        x = _inputs(rows, 896, seed=rows)
-        wide = Q4KLinear.from_weights(weights, bias, lib)(x)
-        narrow = Q4KLinear.from_weights(weights, bias, avx2)(x)
-        assert torch.equal(wide, narrow), rows
+    for layer, weights, k in ((Q4KLinear, quantize_q4k(_weights(48, 896, seed=21)), 896),
+                              (Q6KLinear, quantize_q6k(_weights(48, 768, seed=23)), 768)):
+        for rows in (1, 3, 5, 9, 17):
+            x = _inputs(rows, k, seed=rows)
+            wide = layer.from_weights(weights, bias, lib)(x)
+            narrow = layer.from_weights(weights, bias, avx2)(x)
+            assert torch.equal(wide, narrow), (layer.__name__, rows)
+
+
+# ----------------------------------------------------------------------------- Q6_K
+
+
+@pytest.mark.parametrize(("n", "k"), [(16, 256), (48, 512)])
+def test_quantize_q6k_round_trips_within_6_bit_error(n: int, k: int) -> None:
+    """quantize_q6k (for tests) gives fields in their Q6_K ranges that dequantize close to the
+    input: the reference the kernel is checked against is a real Q6_K matrix."""
+    w = _weights(n, k, seed=30)
+    q = quantize_q6k(w)
+    assert q.q.dtype == torch.uint8 and int(q.q.max()) <= 63
+    assert q.sc.dtype == torch.int8 and q.sc.shape == (n, k // 16) and q.d.shape == (n, k // 256)
+    assert torch.equal(q.d, q.d.half().float())
+    error = (q.dequantize() - w).abs().amax(-1) / w.abs().amax(-1)
+    assert float(error.max()) < 0.03
+
+
+def test_pack_and_parse_q6k_refuse_wrong_shapes() -> None:
+    q = quantize_q6k(_weights(16, 256, seed=31))
+    with pytest.raises(ValueError, match="rows % 16"):
+        pack_q6k(Q6KWeights(q.q[:8], q.sc[:8], q.d[:8]))
+    with pytest.raises(ValueError, match="not a Q6_K matrix"):
+        parse_q6k(np.zeros(100, np.uint8), 16, 256)
+
+
+@pytest.mark.parametrize(("n", "k"), [(16, 256), (48, 512), (32, 1024)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_q6k_linear_matches_the_torch_reference(lib: ctypes.CDLL, n: int, k: int,
+                                                with_bias: bool) -> None:
+    """Group-quantized int8 activations times the Q6_K weights (plus bias): pack_q6k's layout
+    of the low and top bits, the signed scales and the -32 offset, together."""
+    weights = quantize_q6k(_weights(n, k, seed=32))
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(33)) if with_bias else None
+    layer = Q6KLinear.from_weights(weights, bias, lib)
+    assert (layer.in_features, layer.out_features) == (k, n)
+    x = _inputs(5, k, seed=34)
+    assert_matches_reference(layer(x), reference(x, weights, bias))
+
+
+def test_q6k_rows_do_not_depend_on_the_batch_or_threads(lib: ctypes.CDLL) -> None:
+    """As for Q4_K: each row of an M-row call, M = 1..20, is bit for bit that row alone, with
+    one thread or two."""
+    layer = Q6KLinear.from_weights(quantize_q6k(_weights(48, 512, seed=35)), None, lib)
+    x = _inputs(20, 512, seed=36)
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(20)])
+    for m in range(1, 21):
+        assert torch.equal(layer(x[:m]), alone[:m]), m
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = layer(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, alone)
 
 
 def test_pick_variant() -> None:

@@ -27,7 +27,7 @@ from localspec.pipeline import Pipeline
 from localspec.presets import load_preset
 from localspec.runtime.kernels import KernelUnavailable, load_q4k
 from localspec.runtime.lean_weights import ConcatLinear
-from localspec.runtime.quant import Q4KLinear
+from localspec.runtime.quant import Q4KLinear, Q6KLinear
 
 pytestmark = pytest.mark.real_model
 REPO = Path(__file__).resolve().parent.parent
@@ -44,17 +44,23 @@ def smollm() -> Pipeline:
 
 
 def test_default_pair_serves_the_files_q4k_matrices(qwen_pair: Pipeline) -> None:
-    """w4a8 takes the GGUF's Q4_K matrices where they are (every layer's gate/up; q/k beside
-    an int8 v in half the layers), not a silent int8 fallback; the draft is all 4-bit."""
+    """w4a8 takes the GGUF's Q4_K and Q6_K matrices where they are (every layer's gate/up;
+    down in Q4_K in half the layers and Q6_K in the other half; q/k beside a Q6_K v there),
+    not a silent int8 fallback; the draft is all 4-bit."""
     try:
         load_q4k(kernel_dir())
     except KernelUnavailable as exc:
         pytest.skip(f"no Q4_K kernel here: {exc}")
     layers = qwen_pair.target.decoder.layers
     assert all(isinstance(layer.gate_up, Q4KLinear) for layer in layers)
-    assert sum(isinstance(layer.down, Q4KLinear) for layer in layers) == len(layers) // 2
-    assert sum(isinstance(layer.qkv, ConcatLinear) for layer in layers) == len(layers) // 2
-    assert all(isinstance(layer.o, Q4KLinear) for layer in qwen_pair.draft.decoder.layers)
+    assert sum(type(layer.down) is Q4KLinear for layer in layers) == len(layers) // 2
+    assert sum(type(layer.down) is Q6KLinear for layer in layers) == len(layers) // 2
+    assert not any(layer.down_rotated for layer in layers)
+    mixed = [layer.qkv for layer in layers if isinstance(layer.qkv, ConcatLinear)]
+    assert len(mixed) == len(layers) // 2
+    assert all([type(p) for p in qkv.parts] == [Q4KLinear, Q6KLinear] for qkv in mixed)
+    assert all(type(layer.o) is Q4KLinear for layer in qwen_pair.draft.decoder.layers)
+    assert all(type(layer.down) is Q4KLinear for layer in qwen_pair.draft.decoder.layers)
 
 
 def test_default_pair_greedy_equal_on_real_models(qwen_pair: Pipeline) -> None:

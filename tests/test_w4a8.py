@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import VOCAB, collect, decode, make_tiny_model, perturbed_copy
-from transformers import PreTrainedModel
+from conftest import VOCAB, collect, decode, make_tiny_model, perturbed_copy, tiny_config
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from localspec.config import ModelSpec
 from localspec.drafters.draft_model import DraftModelDrafter
@@ -21,9 +21,16 @@ from localspec.models import lean_store
 from localspec.models.gguf_q4k import hf_module_name, read_q4k_matrices
 from localspec.models.loading import load_model
 from localspec.runtime.decoder import LeanDecoder
-from localspec.runtime.kernels import KernelUnavailable, Q4KWeights, load_q4k, quantize_q4k
+from localspec.runtime.kernels import (
+    KernelUnavailable,
+    KQuantWeights,
+    Q4KWeights,
+    load_q4k,
+    quantize_q4k,
+    quantize_q6k,
+)
 from localspec.runtime.lean_weights import ConcatLinear, export_weights
-from localspec.runtime.quant import Q4KLinear, W8A8Linear
+from localspec.runtime.quant import Q4KLinear, Q6KLinear, W8A8Linear
 from localspec.runtime.runner import ModelRunner
 
 
@@ -45,7 +52,7 @@ def _tokens(count: int, seed: int) -> list[int]:
 
 
 def _runner(model: PreTrainedModel, kind: str, lib: object,
-            q4k: dict[str, Q4KWeights] | None = None,
+            q4k: dict[str, KQuantWeights] | None = None,
             dtype: torch.dtype = torch.float32) -> ModelRunner:
     taken = copy.deepcopy(model).to(dtype)
     return ModelRunner(taken, decoder=LeanDecoder(taken, kind, export_weights(taken, kind, q4k),
@@ -114,6 +121,48 @@ def test_w4a8_takes_q4k_only_where_it_is_the_models_weight(lib: object) -> None:
     assert isinstance(second.gate_up, W8A8Linear)  # the wrong numbers were not taken
     logits = runner.forward(_tokens(30, seed=5))
     assert float((logits - reference).norm() / reference.norm()) < 0.05
+
+
+def test_w4a8_serves_q6k_matrices_in_their_own_kernel(lib: object) -> None:
+    """A GGUF's Q6_K matrices (here v, down and the LM head, 256 inputs wide) run exactly in
+    the Q6_K kernel beside Q4_K ones, unrotated; the model stays a fixed function of each
+    position (a pass over n tokens is bit for bit n one-token steps) and close to float. The
+    head's rows (a trained head's start) and a cut of it (a draft's) come from its numbers."""
+    vocab = 112
+    config = tiny_config(vocab)
+    config.hidden_size = config.intermediate_size = 256
+    torch.manual_seed(4)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    kinds = {"self_attn.q_proj": quantize_q4k, "self_attn.k_proj": quantize_q4k,
+             "self_attn.v_proj": quantize_q6k, "mlp.down_proj": quantize_q6k}
+    mapping: dict[str, KQuantWeights] = {}
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+        names = {f"model.layers.{i}.{name}": quantize for i in range(2)
+                 for name, quantize in kinds.items()}
+        for name, quantize in {**names, "lm_head": quantize_q6k}.items():
+            module = model.get_submodule(name)
+            mapping[name] = quantize(module.weight)
+            module.weight.copy_(mapping[name].dequantize())
+    tokens = torch.randint(0, vocab, (24,), generator=torch.Generator().manual_seed(6)).tolist()
+    reference = ModelRunner(model).forward(tokens)
+    runner = _runner(model, "w4a8", lib, mapping)
+    for layer in runner.decoder.layers:
+        assert type(layer.down) is Q6KLinear and not layer.down_rotated
+        assert [type(p) for p in layer.qkv.parts] == [Q4KLinear, Q6KLinear]
+    head = runner.decoder.head
+    assert head.linear == "q6k" and type(head.part(None)) is Q6KLinear
+    steps = torch.cat([runner.forward([t]) for t in tokens])
+    runner.reset()
+    assert torch.equal(runner.forward(tokens[:10]), steps[:10])
+    assert torch.equal(runner.forward(tokens[10:]), steps[10:])
+    assert float((steps - reference).norm() / reference.norm()) < 0.05
+    rows = torch.tensor([0, 7, 50, vocab - 1])
+    assert torch.equal(head.rows(rows), mapping["lm_head"].dequantize()[rows])
+    hidden = torch.randn(3, 256)
+    cut = head.logits(hidden, rows)
+    torch.testing.assert_close(cut[:, rows], head.logits(hidden)[:, rows], rtol=0.05, atol=0.5)
+    assert int(torch.isinf(cut).sum()) == 3 * (vocab - len(rows))
 
 
 def test_w4a8_greedy_speculation_equals_plain(lib: object) -> None:

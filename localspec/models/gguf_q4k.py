@@ -1,9 +1,9 @@
-"""The Q4_K matrices of a GGUF file, as the file stores them (for the ``w4a8`` forward).
+"""The Q4_K and Q6_K matrices of a GGUF file, as the file stores them (for the ``w4a8`` forward).
 
-transformers reads a GGUF by dequantizing it; the lean forward wants the 4-bit numbers
-themselves, so that it reads 4.5 bits a weight instead of 8 and computes with exactly the
-weights the file holds. Only Llama-family names are mapped (the lean forward's families), and
-only Q4_K tensors are taken: other types (Q6_K, Q5_0, ...) stay with the int8 path.
+transformers reads a GGUF by dequantizing it; the lean forward wants the quantized numbers
+themselves, so that it reads 4.5 (Q4_K) or 6.6 (Q6_K) bits a weight instead of 8 and computes
+with exactly the weights the file holds. Only Llama-family names are mapped (the lean forward's
+families), and only those two types are taken: others (Q5_0, Q8_0, ...) stay with the int8 path.
 
 Whether a matrix really is the loaded model's weight is checked by the caller
 (``localspec.runtime.decoder.export_weights`` compares it with the dequantized copy); a
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from localspec.runtime.kernels import Q4KWeights, parse_q4k
+from localspec.runtime.kernels import KQuantWeights, parse_q4k, parse_q6k
 
 logger = logging.getLogger(__name__)
 
@@ -43,16 +43,16 @@ def hf_module_name(gguf_name: str) -> str | None:
     return None
 
 
-class Q4KMatrices(Mapping[str, Q4KWeights]):
-    """The Q4_K linear weights of a GGUF file by Hugging Face module name, each decoded when
-    asked for (the file is memory-mapped: the 1.5B's would take 1 GB decoded all at once)."""
+class Q4KMatrices(Mapping[str, KQuantWeights]):
+    """The Q4_K and Q6_K linear weights of a GGUF file by Hugging Face module name, each decoded
+    when asked for (the file is memory-mapped: the 1.5B's would take 1.3 GB decoded at once)."""
 
-    def __init__(self, raw: dict[str, tuple[np.ndarray, int, int]]) -> None:
-        self._raw = raw
+    def __init__(self, raw: dict[str, tuple[np.ndarray, int, int, bool]]) -> None:
+        self._raw = raw  # name -> (bytes, n, k, is Q6_K)
 
-    def __getitem__(self, name: str) -> Q4KWeights:
-        data, n, k = self._raw[name]
-        return parse_q4k(data, n, k)
+    def __getitem__(self, name: str) -> KQuantWeights:
+        data, n, k, six = self._raw[name]
+        return (parse_q6k if six else parse_q4k)(data, n, k)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._raw)
@@ -62,18 +62,20 @@ class Q4KMatrices(Mapping[str, Q4KWeights]):
 
 
 def read_q4k_matrices(path: Path) -> Q4KMatrices:
-    """Every Q4_K linear weight of the GGUF at ``path``; empty (with the reason logged) when
-    the file cannot be read, which costs speed, not correctness."""
+    """Every Q4_K and Q6_K linear weight of the GGUF at ``path``; empty (with the reason
+    logged) when the file cannot be read, which costs speed, not correctness."""
     from gguf import GGMLQuantizationType, GGUFReader
 
+    kinds = {GGMLQuantizationType.Q4_K: False, GGMLQuantizationType.Q6_K: True}
     raw = {}
     try:
         for tensor in GGUFReader(str(path)).tensors:
             name = hf_module_name(tensor.name)
-            if name is not None and tensor.tensor_type == GGMLQuantizationType.Q4_K:
+            if name is not None and tensor.tensor_type in kinds:
                 k, n = (int(x) for x in tensor.shape[:2])
-                raw[name] = (np.asarray(tensor.data), n, k)
+                raw[name] = (np.asarray(tensor.data), n, k, kinds[tensor.tensor_type])
     except _READ_ERRORS as exc:
-        logger.warning("could not read the Q4_K matrices of %s (%s): int8 instead", path, exc)
+        logger.warning("could not read the k-quant matrices of %s (%s): int8 instead", path,
+                       exc)
         raw = {}
     return Q4KMatrices(raw)

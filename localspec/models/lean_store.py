@@ -44,13 +44,13 @@ from localspec.models.integrity import (
     writer_tag,
 )
 from localspec.runtime.decoder import LeanDecoder
-from localspec.runtime.kernels import KernelUnavailable, Q4KWeights, load_q4k
+from localspec.runtime.kernels import KernelUnavailable, KQuantWeights, load_q4k
 from localspec.runtime.lean_weights import export_weights
 
 logger = logging.getLogger(__name__)
 
 WEIGHTS_NAME = "lean-w8a8.safetensors"  # the same name in every kind's folder
-FORMAT = "2"  # bump when export_weights' names or layout change (2: down rotation)
+FORMAT = "3"  # bump when export_weights' names or layout change (2: down rotation, 3: Q6_K)
 
 
 def store_dir(folder: Path, kind: str = "w8a8") -> Path:
@@ -166,7 +166,7 @@ def stored_decoder(model: PreTrainedModel, folder: Path, kind: str = "w8a8",
 
 
 def lean_decoder(model: PreTrainedModel, folder: Path, kind: str = "w8a8",
-                 q4k: Mapping[str, Q4KWeights] | None = None,
+                 q4k: Mapping[str, KQuantWeights] | None = None,
                  q4k_lib: object | None = None) -> LeanDecoder:
     """The lean ``kind`` forward of ``model`` (loaded from ``folder``): from the store when it
     holds a sound copy, else quantized now (``q4k``: the source file's Q4_K matrices, for

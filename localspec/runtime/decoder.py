@@ -3,11 +3,12 @@
 Why not the Hugging Face forward: on a 2-core CPU a 0.5B draft step spent about half its time
 in Python, masks and ``DynamicCache`` bookkeeping, and its linear layers are ``nn.Linear`` in
 bfloat16 (3 GB read per token of the 1.5B). Here each layer is seven tensor calls deep: fused
-q/k/v and fused gate/up projections in int8 (``W8A8Linear``) or in a GGUF's own 4-bit Q4_K
-(``Q4KLinear``, the native kernel; formats in ``lean_weights``), RoPE from the model's own rotary
-module (so every ``rope_scaling`` transformers knows is honoured), the new keys and values
-written in place into a static cache, and PyTorch's SDPA with grouped-query heads. Rolling the
-cache back is a length change: stale positions are simply overwritten by the next pass.
+q/k/v and fused gate/up projections in int8 (``W8A8Linear``) or in a GGUF's own Q4_K and Q6_K
+(``Q4KLinear``, ``Q6KLinear``: native kernels; formats in ``lean_weights``), RoPE from the
+model's own rotary module (so every ``rope_scaling`` transformers knows is honoured), the new
+keys and values written in place into a static cache, and PyTorch's SDPA with grouped-query
+heads. Rolling the cache back is a length change: stale positions are simply overwritten by the
+next pass.
 
 In int8, the down projection's input (SiLU(gate) * up: heavy-tailed, a few channels far
 larger than the rest) is first turned by a block Hadamard rotation, and the weight by the same
@@ -33,13 +34,13 @@ from transformers import PreTrainedModel
 from localspec.runtime.lean_weights import (
     ROW_ATTENTION_MAX,
     Linear,
+    LMHead,
     export_weights,
-    head_kind,
     layer_linear,
     release_weights,
     rotate,
 )
-from localspec.runtime.quant import DenseLinear, W8A8Linear
+from localspec.runtime.quant import W8A8Linear
 
 LEAN_MODEL_TYPES = ("llama", "qwen2")
 CACHE_BLOCK = 256  # the KV cache grows in blocks of this many positions
@@ -99,40 +100,6 @@ class KVCache:
             setattr(self, name, grown)
 
 
-class LMHead:
-    """The output projection, whole or cut to some vocabulary rows (a draft's FR-Spec head).
-
-    Kept as int8 rows and scales (or the dense weight) so that any cut can be packed later;
-    packed heads are made once per cut.
-    """
-
-    def __init__(self, weight: tuple[torch.Tensor, ...], linear: str) -> None:
-        self.linear = linear  # weight: (int8 rows, scales) for "w8a8", (dense weight,) else
-        self.vocab_size = int(weight[0].shape[0])
-        self.weight = weight
-        self._packed: dict[tuple[int, ...] | None, Linear] = {}
-
-    def part(self, rows: torch.Tensor | None) -> Linear:
-        """The head cut to ``rows`` (all when None), packed once per cut."""
-        key = None if rows is None else tuple(rows.tolist())
-        if key not in self._packed:
-            parts = tuple(t if rows is None else t[rows].contiguous() for t in self.weight)
-            self._packed[key] = (W8A8Linear(*parts)
-                                 if self.linear == "w8a8" else DenseLinear(parts[0], None))
-        return self._packed[key]
-
-    def logits(self, hidden: torch.Tensor, rows: torch.Tensor | None = None,
-               part: Linear | None = None) -> torch.Tensor:
-        """Float32 logits [n, vocab]; outside ``rows`` (when given) they are -inf. ``part`` is
-        ``part(rows)`` if the caller kept it (finding a cut by its rows costs a hash of them)."""
-        sub = (part or self.part(rows))(hidden)
-        if rows is None:
-            return sub
-        logits = torch.full((hidden.shape[0], self.vocab_size), float("-inf"))
-        logits[:, rows] = sub
-        return logits
-
-
 class LeanDecoder:
     """Hidden states of a Llama-family model, computed with the given linear-layer kind.
 
@@ -185,9 +152,8 @@ class LeanDecoder:
         self.norm = weights["norm"]
         self.max_length = int(getattr(config, "max_position_embeddings", 0) or 0)
         self.intermediate = config.intermediate_size
-        kind = head_kind(linear)
-        self.head = LMHead(tuple(weights[f"head.{k}"] for k in ("q", "scale"))
-                           if kind == "w8a8" else (weights["head.weight"],), kind)
+        self.head = LMHead({key.removeprefix("head."): tensor for key, tensor in weights.items()
+                            if key.startswith("head.")}, q4k_lib)
         release_weights(model)
 
     def new_cache(self) -> KVCache:

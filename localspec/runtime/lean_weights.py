@@ -4,10 +4,11 @@ store). Kept apart from the forward itself (``decoder``): this is the part that 
 new weight format arrives.
 
 Formats, by ``kind``: "dense" (the loaded dtype), "w8a8" (int8 rows with one scale each,
-``W8A8Linear``), "w4a8" (a GGUF's Q4_K matrices as stored, ``Q4KLinear``; others w8a8) and
-"w4a8-requant" (every matrix quantized to Q4_K). In the w8a8 layers the down projection's
-weight is turned by a block Hadamard rotation (``hadamard``) and the forward turns its input
-the same way (``rotate``): see the decoder's docstring.
+``W8A8Linear``), "w4a8" (a GGUF's Q4_K and Q6_K matrices as stored, ``Q4KLinear`` and
+``Q6KLinear``, the LM head included; others w8a8) and "w4a8-requant" (every layer matrix
+quantized to Q4_K, the head int8: a draft's head is cut to frequent rows). In the w8a8
+layers the down projection's weight is turned by a block Hadamard rotation (``hadamard``) and
+the forward turns its input the same way (``rotate``): see the decoder's docstring.
 """
 
 from __future__ import annotations
@@ -18,8 +19,24 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from localspec.runtime.kernels import Q4K_PACKED, Q4KWeights, pack_q4k, quantize_q4k
-from localspec.runtime.quant import DenseLinear, Q4KLinear, W8A8Linear, quantize_per_channel
+from localspec.runtime.kernels import (
+    Q4K_PACKED,
+    Q6K_PACKED,
+    KQuantWeights,
+    Q4KWeights,
+    Q6KWeights,
+    pack_q4k,
+    pack_q6k,
+    quantize_q4k,
+    unpack_q6k,
+)
+from localspec.runtime.quant import (
+    DenseLinear,
+    Q4KLinear,
+    Q6KLinear,
+    W8A8Linear,
+    quantize_per_channel,
+)
 
 # Up to this many new tokens, each query row attends in a call of its own over exactly the keys
 # it may see. A masked batch would sum over a longer, zero-padded row, and float sums of another
@@ -56,19 +73,15 @@ def rotate(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
                       for row in x])
 
 
-def head_kind(kind: str) -> str:
-    """How the LM head is served under ``kind``: a GGUF head is Q6_K, never Q4_K, so it is
-    int8 for every quantized kind."""
-    return "dense" if kind == "dense" else "w8a8"
-
-
 def _fused(kind: str, modules: list[nn.Linear],
-           exact: list[Q4KWeights] | None = None) -> dict[str, torch.Tensor]:
-    """The tensors of one fused linear layer: the packed ``exact`` Q4_K weights ("q4k"),
-    int8 rows and scales ("w8a8") or the weight ("dense"), and the bias if any module has
-    one."""
+           exact: list[KQuantWeights] | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of one fused linear layer: the packed ``exact`` Q4_K or Q6_K weights ("q4k",
+    "q6k"), int8 rows and scales ("w8a8") or the weight ("dense"), and the bias if any module
+    has one."""
     if kind == "q4k":
-        tensors = pack_q4k(Q4KWeights.cat(exact or []))
+        tensors = pack_q4k(Q4KWeights.cat(exact or []))  # type: ignore[arg-type]
+    elif kind == "q6k":
+        tensors = pack_q6k(Q6KWeights.cat(exact or []))  # type: ignore[arg-type]
     else:
         weight = torch.cat([m.weight.detach() for m in modules])
         tensors = dict(zip(("q", "scale"), quantize_per_channel(weight), strict=True)
@@ -79,12 +92,13 @@ def _fused(kind: str, modules: list[nn.Linear],
     return tensors
 
 
-def _exact_q4k(module: nn.Linear, name: str, q4k: Mapping[str, Q4KWeights]) -> Q4KWeights | None:
-    """The module's Q4_K weights if ``q4k`` has them and they are exactly its weight (as
-    loaded, in its dtype): never another model's numbers."""
-    if name not in q4k:
+def _exact(module: nn.Linear, name: str, stored: Mapping[str, KQuantWeights]
+           ) -> KQuantWeights | None:
+    """The module's Q4_K or Q6_K weights if ``stored`` has them and they are exactly its
+    weight (as loaded, in its dtype): never another model's numbers."""
+    if name not in stored:
         return None
-    weights = q4k[name]
+    weights = stored[name]
     weight = module.weight.detach()
     if weights.q.shape != weight.shape or not torch.equal(
             weights.dequantize().to(weight.dtype), weight):
@@ -92,19 +106,20 @@ def _exact_q4k(module: nn.Linear, name: str, q4k: Mapping[str, Q4KWeights]) -> Q
     return weights
 
 
-def _segments(modules: list[nn.Linear], names: list[str], q4k: Mapping[str, Q4KWeights],
-              requantize: bool) -> list[tuple[str, list[nn.Linear], list[Q4KWeights]]]:
-    """Consecutive modules of one fused layer grouped by how they are served: "q4k" (exact
-    Q4_K weights, or any weight when ``requantize``; rows in blocks of 16, inputs in groups of
-    32) or "w8a8"."""
-    out: list[tuple[str, list[nn.Linear], list[Q4KWeights]]] = []
+def _segments(modules: list[nn.Linear], names: list[str],
+              stored: Mapping[str, KQuantWeights], requantize: bool
+              ) -> list[tuple[str, list[nn.Linear], list[KQuantWeights]]]:
+    """Consecutive modules of one fused layer grouped by how they are served: "q4k" or "q6k"
+    (exact file weights; rows in blocks of 16, inputs in groups of 32) or "w8a8". With
+    ``requantize`` every matrix is Q4_K (a draft's: the fewest bytes)."""
+    out: list[tuple[str, list[nn.Linear], list[KQuantWeights]]] = []
     for module, name in zip(modules, names, strict=True):
         exact = None
         if module.out_features % 16 == 0 and module.in_features % 32 == 0:
-            exact = _exact_q4k(module, name, q4k)
-            if exact is None and requantize:
+            exact = _exact(module, name, stored)
+            if requantize and not isinstance(exact, Q4KWeights):
                 exact = quantize_q4k(module.weight)
-        kind = "w8a8" if exact is None else "q4k"
+        kind = {Q4KWeights: "q4k", Q6KWeights: "q6k"}.get(type(exact), "w8a8")
         if out and out[-1][0] == kind:
             out[-1][1].append(module)
             if exact is not None:
@@ -115,15 +130,15 @@ def _segments(modules: list[nn.Linear], names: list[str], q4k: Mapping[str, Q4KW
 
 
 def export_weights(model: PreTrainedModel, kind: str = "w8a8",
-                   q4k: Mapping[str, Q4KWeights] | None = None) -> dict[str, torch.Tensor]:
+                   q4k: Mapping[str, KQuantWeights] | None = None) -> dict[str, torch.Tensor]:
     """Every tensor the lean forward needs, quantized as ``kind`` says, by name (what
     ``localspec.models.lean_store`` saves so that later starts skip the quantization). The
     model's layer weights are released as they are converted.
 
-    "w4a8": the matrices ``q4k`` holds (by module name, as a GGUF file stores them) that are
-    exactly the model's weights are kept in Q4_K for the native kernel; all others are w8a8.
-    "w4a8-requant": the others are quantized to Q4_K too. A fused layer is then stored as
-    segments ``<name>.<s>.*`` of one kind each."""
+    "w4a8": the matrices ``q4k`` holds (by module name, as a GGUF file stores them, Q4_K or
+    Q6_K) that are exactly the model's weights are kept so for the native kernels; all others
+    are w8a8. "w4a8-requant": every other layer matrix is quantized to Q4_K. A fused layer
+    is then stored as segments ``<name>.<s>.*`` of one kind each."""
     q4k = q4k or {}
     backbone = model.base_model
     module_names = {module: name for name, module in model.named_modules()}
@@ -150,7 +165,12 @@ def export_weights(model: PreTrainedModel, kind: str = "w8a8",
         weights[f"layers.{i}.norm1"] = layer.input_layernorm.weight.detach().float()
         weights[f"layers.{i}.norm2"] = layer.post_attention_layernorm.weight.detach().float()
         release_weights(layer)
-    for key, tensor in _fused(head_kind(kind), [model.get_output_embeddings()]).items():
+    head = model.get_output_embeddings()
+    exact = _exact(head, "lm_head", q4k) if kind == "w4a8" else None
+    if not isinstance(exact, Q6KWeights) or head.out_features % 16:
+        exact = None
+    head_as = "dense" if kind == "dense" else "w8a8" if exact is None else "q6k"
+    for key, tensor in _fused(head_as, [head], None if exact is None else [exact]).items():
         weights[f"head.{key}"] = tensor
     return weights
 
@@ -159,7 +179,9 @@ def _one_linear(weights: Mapping[str, torch.Tensor], prefix: str, lib: object | 
     bias = weights.get(f"{prefix}.bias")
     if f"{prefix}.qs" in weights:
         if lib is None:
-            raise ValueError(f"{prefix} is stored in Q4_K, and no Q4_K kernel was given")
+            raise ValueError(f"{prefix} is stored in Q4_K or Q6_K, and no kernel was given")
+        if f"{prefix}.qh" in weights:
+            return Q6KLinear({k: weights[f"{prefix}.{k}"] for k in Q6K_PACKED}, bias, lib)
         return Q4KLinear({k: weights[f"{prefix}.{k}"] for k in Q4K_PACKED}, bias, lib)
     if f"{prefix}.q" in weights:
         return W8A8Linear(weights[f"{prefix}.q"], weights[f"{prefix}.scale"], bias)
@@ -168,7 +190,7 @@ def _one_linear(weights: Mapping[str, torch.Tensor], prefix: str, lib: object | 
 
 class ConcatLinear:
     """Several linear layers on the same input, outputs side by side (a fused layer whose
-    parts are stored in different forms, e.g. Q4_K q/k and Q6_K-born int8 v)."""
+    parts are stored in different forms, e.g. Q4_K q/k and Q6_K v)."""
 
     def __init__(self, parts: list[Linear]) -> None:
         self.parts = parts
@@ -185,6 +207,62 @@ def layer_linear(weights: Mapping[str, torch.Tensor], prefix: str, lib: object |
     while any(f"{prefix}.{len(parts)}.{k}" in weights for k in ("qs", "q", "weight")):
         parts.append(_one_linear(weights, f"{prefix}.{len(parts)}", lib))
     return parts[0] if len(parts) == 1 else ConcatLinear(parts)
+
+
+class LMHead:
+    """The output projection, whole or cut to some vocabulary rows (a draft's FR-Spec head).
+
+    Kept as ``export_weights`` stored it (int8 rows and scales, a file's packed Q6_K, or the
+    dense weight) so that any cut can be made later; cuts are packed once each. A cut of a
+    Q6_K head is served in int8 (only drafts cut their head, and a draft only guesses).
+    """
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], lib: object | None = None) -> None:
+        """``tensors``: export_weights' ``head.*`` entries without the prefix; ``lib`` the
+        kernel library for a Q6_K head."""
+        self.tensors = dict(tensors)
+        self.linear = "q6k" if "qh" in tensors else "w8a8" if "q" in tensors else "dense"
+        blocks, _, block_rows = tensors["d"].shape if self.linear == "q6k" else (0, 0, 0)
+        self.vocab_size = int(blocks * block_rows if self.linear == "q6k" else
+                              tensors["q" if self.linear == "w8a8" else "weight"].shape[0])
+        self.lib = lib
+        self._packed: dict[tuple[int, ...] | None, Linear] = {}
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The head's rows for token ids ``ids`` [n], float32 [n, hidden], as served (what a
+        trained head's LM head starts from)."""
+        if self.linear == "q6k":
+            return unpack_q6k(self.tensors).dequantize()[ids]
+        if self.linear == "w8a8":
+            return self.tensors["q"][ids].float() * self.tensors["scale"][ids, None]
+        return self.tensors["weight"][ids].float()
+
+    def part(self, rows: torch.Tensor | None) -> Linear:
+        """The head cut to ``rows`` (all when None), packed once per cut."""
+        key = None if rows is None else tuple(rows.tolist())
+        if key not in self._packed:
+            if rows is None:
+                self._packed[key] = _one_linear({f"head.{k}": t for k, t in self.tensors.items()},
+                                                "head", self.lib)
+            elif self.linear == "dense":
+                self._packed[key] = DenseLinear(self.tensors["weight"][rows].contiguous(), None)
+            elif self.linear == "w8a8":
+                self._packed[key] = W8A8Linear(self.tensors["q"][rows].contiguous(),
+                                               self.tensors["scale"][rows].contiguous())
+            else:
+                self._packed[key] = W8A8Linear.from_float(self.rows(rows))
+        return self._packed[key]
+
+    def logits(self, hidden: torch.Tensor, rows: torch.Tensor | None = None,
+               part: Linear | None = None) -> torch.Tensor:
+        """Float32 logits [n, vocab]; outside ``rows`` (when given) they are -inf. ``part`` is
+        ``part(rows)`` if the caller kept it (finding a cut by its rows costs a hash of them)."""
+        sub = (part or self.part(rows))(hidden)
+        if rows is None:
+            return sub
+        logits = torch.full((hidden.shape[0], self.vocab_size), float("-inf"))
+        logits[:, rows] = sub
+        return logits
 
 
 def release_weights(model: nn.Module) -> None:

@@ -12,7 +12,8 @@ crush everything else in the tensor onto a few levels (top-1 agreement 68%, see 
 
 ``Q4KLinear`` reads a third of those bytes for matrices a GGUF file stores as Q4_K: its weights
 exactly as the file has them, times int8 activations with one scale per group of 32, in a
-native kernel (``localspec.runtime.kernels``) whose rows, too, do not depend on each other.
+native kernel (``localspec.runtime.kernels``) whose rows, too, do not depend on each other;
+``Q6KLinear`` does the same for a file's Q6_K matrices (6.6 bits a weight).
 
 ``Int8WeightOnlyLinear`` (``_weight_int8pack_mm``) reads the same bytes but costs more per row:
 fine for a one-token draft step, poor for verifying 16 tokens.
@@ -28,7 +29,14 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from localspec.runtime.kernels import Q4K_PACKED, Q4KWeights, pack_q4k
+from localspec.runtime.kernels import (
+    Q4K_PACKED,
+    Q6K_PACKED,
+    Q4KWeights,
+    Q6KWeights,
+    pack_q4k,
+    pack_q6k,
+)
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,16 +80,23 @@ class W8A8Linear:
 class Q4KLinear:
     """y = x W^T + b with W in Q4_K (see ``localspec.runtime.kernels``); float32 in and out."""
 
+    PACKED = Q4K_PACKED  # the kernel's tensors, in its argument order
+    WHAT = "Q4_K"
+
     def __init__(self, packed: Mapping[str, torch.Tensor], bias: torch.Tensor | None,
                  lib: ctypes.CDLL) -> None:
-        """From ``pack_q4k``'s tensors (or the same read back from the store)."""
-        self.packed = {name: packed[name].contiguous() for name in Q4K_PACKED}
+        """From the packed tensors (``pack_q4k``, or the same read back from the store)."""
+        self.packed = {name: packed[name].contiguous() for name in self.PACKED}
         blocks, _, rows = self.packed["d"].shape
         self.out_features = blocks * rows
         self.in_features = self.packed["qs"].numel() * 2 // self.out_features
         self.bias = None if bias is None else bias.detach().float()
-        self.lib = lib
-        self._pointers = [self.packed[name].data_ptr() for name in Q4K_PACKED]
+        self._kernel = self._function(lib)
+        self._pointers = [self.packed[name].data_ptr() for name in self.PACKED]
+
+    @staticmethod
+    def _function(lib: ctypes.CDLL) -> ctypes._CFuncPtr:
+        return lib.q4k_linear
 
     @classmethod
     def from_weights(cls, weights: Q4KWeights, bias: torch.Tensor | None,
@@ -93,10 +108,26 @@ class Q4KLinear:
             raise ValueError(f"expected input [n, {self.in_features}], got {list(x.shape)}")
         x = x.float().contiguous()
         y = torch.empty(x.shape[0], self.out_features)
-        if self.lib.q4k_linear(x.data_ptr(), x.shape[0], self.in_features, *self._pointers,
-                               self.out_features, y.data_ptr(), torch.get_num_threads()):
-            raise MemoryError("the Q4_K kernel could not allocate its scratch memory")
+        if self._kernel(x.data_ptr(), x.shape[0], self.in_features, *self._pointers,
+                        self.out_features, y.data_ptr(), torch.get_num_threads()):
+            raise MemoryError(f"the {self.WHAT} kernel could not allocate its scratch memory")
         return y if self.bias is None else y.add_(self.bias)
+
+
+class Q6KLinear(Q4KLinear):
+    """The same for W in Q6_K (``pack_q6k``): 6.6 bits a weight where int8 reads 8."""
+
+    PACKED = Q6K_PACKED
+    WHAT = "Q6_K"
+
+    @staticmethod
+    def _function(lib: ctypes.CDLL) -> ctypes._CFuncPtr:
+        return lib.q6k_linear
+
+    @classmethod
+    def from_weights(cls, weights: Q6KWeights, bias: torch.Tensor | None,  # type: ignore[override]
+                     lib: ctypes.CDLL) -> Q6KLinear:
+        return cls(pack_q6k(weights), bias, lib)
 
 
 class DenseLinear:

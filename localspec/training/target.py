@@ -18,6 +18,7 @@ import torch
 from torch.nn import functional as F
 
 from localspec.config import ModelSpec
+from localspec.models.lean_store import FORMAT as LEAN_FORMAT
 from localspec.runtime.runner import ModelRunner
 
 FEATURES_FORMAT = 1  # bump when what a feature file holds changes: old caches are not reused
@@ -47,18 +48,13 @@ class FrozenTarget:
         return F.embedding(ids.to(table.device), table).float().to(self.device)
 
     def lm_head_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """The LM head's rows for token ids ``rows`` [n]: float32 [n, hidden] (an int8 head
-        dequantized), what the served target multiplies its final hidden state by."""
+        """The LM head's rows for token ids ``rows`` [n]: float32 [n, hidden] (an int8 or
+        Q6_K head dequantized), what the served target multiplies its final hidden state by."""
         decoder = self.runner.decoder
         if decoder is None:
             weight = self.runner.model.get_output_embeddings().weight.detach()
             return weight[rows.to(weight.device)].float().to(self.device)
-        parts = decoder.head.weight
-        cpu_rows = rows.cpu()
-        if decoder.head.linear == "w8a8":
-            q, scale = parts
-            return (q[cpu_rows].float() * scale[cpu_rows, None]).to(self.device)
-        return parts[0][cpu_rows].float().to(self.device)
+        return decoder.head.rows(rows.cpu()).to(self.device)
 
     def final_norm(self) -> torch.Tensor | None:
         """The final RMS norm's weight [hidden] (float32), None when the model has none."""
@@ -71,10 +67,12 @@ class FrozenTarget:
 
 def fingerprint(spec: ModelSpec, folder: Path, device: str, logits_fp32: bool) -> dict[str, object]:
     """What decides a target's features: the model as named and served (dtype,
-    quantization, device kind, float32 logits) and its files (name, size, modification time),
-    so that weights changed in place are not mistaken for the old ones."""
+    quantization and the lean store's format, device kind, float32 logits) and its files
+    (name, size, modification time), so that weights changed in place are not mistaken for
+    the old ones."""
     files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns)
                    for p in Path(folder).iterdir() if p.is_file())
     return {"format": FEATURES_FORMAT, "model": spec.model, "dtype": spec.dtype,
-            "quantization": spec.quantization, "device": torch.device(device).type,
+            "quantization": spec.quantization, "lean_format": LEAN_FORMAT,
+            "device": torch.device(device).type,
             "logits_fp32": logits_fp32, "files": [list(f) for f in files]}

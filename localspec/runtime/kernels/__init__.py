@@ -22,6 +22,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +40,9 @@ GROUP = 32  # inputs per (scale, min) pair
 SUPER = 256  # inputs per (d, dmin) pair: one Q4_K block
 Q4K_PACKED = ("qs", "sc", "mn", "d", "dmin")  # the kernel's tensors, in its argument order
 Q4K_BLOCK_BYTES = 144  # d, dmin (fp16), 12 bytes of 6-bit scales and mins, 128 bytes of nibbles
+Q6K_PACKED = ("qs", "qh", "sc", "d")
+Q6K_GROUP = 16  # inputs per signed 8-bit scale
+Q6K_BLOCK_BYTES = 210  # 128 bytes of low nibbles, 64 of top 2 bits, 16 int8 scales, d (fp16)
 
 
 class KernelUnavailable(RuntimeError):
@@ -115,11 +119,13 @@ def load_q4k(cache_dir: Path, variant: str | None = None) -> ctypes.CDLL:
         lib = ctypes.CDLL(str(path))
     except OSError as exc:
         raise KernelUnavailable(f"loading {path} failed: {exc}") from exc
-    lib.q4k_linear.restype = ctypes.c_int
-    lib.q4k_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                               ctypes.c_void_p, ctypes.c_int]
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    lib.q4k_linear.restype = lib.q6k_linear.restype = ctypes.c_int
+    # x, rows, width, the packed tensors (Q4K_PACKED / Q6K_PACKED), n, y, threads
+    lib.q4k_linear.argtypes = [pointer, size, size, *[pointer] * len(Q4K_PACKED), size, pointer,
+                               ctypes.c_int]
+    lib.q6k_linear.argtypes = [pointer, size, size, *[pointer] * len(Q6K_PACKED), size, pointer,
+                               ctypes.c_int]
     return lib
 
 
@@ -217,3 +223,96 @@ def quantize_q4k(weight: torch.Tensor) -> Q4KWeights:
                     0).clamp(0, 15)
     return Q4KWeights(q.to(torch.uint8).view(n, k), sc.to(torch.uint8), mn.to(torch.uint8), d,
                       dmin)
+
+
+@dataclass(frozen=True)
+class Q6KWeights:
+    """One matrix [n, k] in Q6_K form: q (0..63) [n, k] uint8, sc [n, k/16] int8 and d
+    [n, k/256] float32; w = d * sc * (q - 32). Only read from files (k % 256 == 0)."""
+
+    q: torch.Tensor
+    sc: torch.Tensor
+    d: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [n, k], computed as gguf-py does ((d * sc) * (q - 32)), so that
+        the same file gives the same floats."""
+        n, k = self.q.shape
+        scale = self.d.repeat_interleave(SUPER // Q6K_GROUP, 1) * self.sc.float()
+        q = (self.q.to(torch.int16) - 32).float().view(n, k // Q6K_GROUP, Q6K_GROUP)
+        return (scale[..., None] * q).view(n, k)
+
+    @staticmethod
+    def cat(parts: list[Q6KWeights]) -> Q6KWeights:
+        return Q6KWeights(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "sc", "d")))
+
+
+KQuantWeights = Q4KWeights | Q6KWeights  # what a GGUF's k-quant matrix is read as
+
+
+def parse_q6k(raw: np.ndarray, n: int, k: int) -> Q6KWeights:
+    """GGUF Q6_K bytes of an [n, k] matrix as ``Q6KWeights``; decoding follows ggml's
+    ``dequantize_row_q6_K``: per half of 128, byte l of ``ql`` holds elements l and l + 64
+    (l + 32 and l + 96 for the next 32 bytes), byte l of ``qh`` their top bits."""
+    if k % SUPER or raw.size != n * (k // SUPER) * Q6K_BLOCK_BYTES:
+        raise ValueError(f"{raw.size} bytes are not a Q6_K matrix of {n} x {k}")
+    blocks = np.ascontiguousarray(raw).reshape(n, k // SUPER, Q6K_BLOCK_BYTES)
+    ql = blocks[..., :128].reshape(n, -1, 2, 2, 32)  # [n, S, half, l or l + 32, 32]
+    qh = blocks[..., 128:192].reshape(n, -1, 2, 1, 32)
+    low = np.concatenate([ql & 0xF, ql >> 4], axis=3)  # [n, S, half, 4, 32]: 32 elements each
+    top = (qh >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)) & 3
+    q = (low | (top << 4)).reshape(n, k)
+    sc = blocks[..., 192:208].copy().view(np.int8).reshape(n, -1)
+    d = blocks[..., 208:210].copy().view(np.float16)[..., 0].astype(np.float32)
+    return Q6KWeights(torch.from_numpy(q), torch.from_numpy(sc), torch.from_numpy(d))
+
+
+def pack_q6k(w: Q6KWeights) -> dict[str, torch.Tensor]:
+    """The kernel's layout (see q4k.c): Q4_K's nibble layout for the low 4 bits of q, the top
+    2 bits four to a byte."""
+    n, k = w.q.shape
+    if n % BLOCK_ROWS or k % SUPER:
+        raise ValueError(f"a Q6_K kernel matrix needs rows % 16 == 0 and width % 256 == 0, "
+                         f"got {n} x {k}")
+    b, g = n // BLOCK_ROWS, k // GROUP
+    q = w.q.view(b, BLOCK_ROWS, g, 2, 2, 2, 4).permute(0, 2, 3, 4, 1, 5, 6)  # b g t ii r s j
+    low, top = q & 0xF, q >> 4
+    qs = (low[..., 0, :] | (low[..., 1, :] << 4)).contiguous().view(-1)
+    shifts = torch.tensor([[0, 2], [4, 6]], dtype=torch.uint8).view(1, 1, 1, 2, 1, 2, 1)
+    qh = (top << shifts).sum((3, 5), dtype=torch.uint8).contiguous().view(-1)  # b g t r j
+
+    def rows_last(t: torch.Tensor) -> torch.Tensor:
+        return t.view(b, BLOCK_ROWS, -1).transpose(1, 2).contiguous()
+
+    return {"qs": qs, "qh": qh, "sc": rows_last(w.sc), "d": rows_last(w.d.float())}
+
+
+def unpack_q6k(packed: Mapping[str, torch.Tensor]) -> Q6KWeights:
+    """``pack_q6k``'s inverse (an LM head kept packed, asked for some of its rows)."""
+    blocks, _, rows = packed["d"].shape
+    groups = packed["qs"].numel() // (blocks * 256)
+    qs = packed["qs"].view(blocks, groups, 2, 2, rows, 1, 4)  # b g t ii r s j
+    low = torch.cat([qs & 0xF, qs >> 4], dim=5)
+    shifts = torch.tensor([[0, 2], [4, 6]], dtype=torch.uint8).view(1, 1, 1, 2, 1, 2, 1)
+    top = (packed["qh"].view(blocks, groups, 2, 1, rows, 1, 4) >> shifts) & 3
+    q = (low | (top << 4)).permute(0, 4, 1, 2, 3, 5, 6).reshape(blocks * rows, groups * GROUP)
+
+    def rows_first(t: torch.Tensor) -> torch.Tensor:
+        return t.transpose(1, 2).reshape(blocks * rows, -1)
+
+    return Q6KWeights(q, rows_first(packed["sc"]), rows_first(packed["d"]))
+
+
+def quantize_q6k(weight: torch.Tensor) -> Q6KWeights:
+    """Q6_K weights of a float matrix [n, k] (k % 256 == 0) by the simplest rule: per 16,
+    w ~ step * (q - 32) with q in 0..63, steps as int8 multiples of a per-256 fp16 ``d``.
+    For tests: LocalSpec serves Q6_K only as a file stores it."""
+    n, k = weight.shape
+    w = weight.detach().float().view(n, k // Q6K_GROUP, Q6K_GROUP)
+    step = w.abs().amax(-1) / 31.0  # [n, k/16]
+    d = (step.view(n, k // SUPER, -1).amax(-1) / 127.0).half().float()  # [n, k/256]
+    d_g = d.repeat_interleave(SUPER // Q6K_GROUP, 1)
+    sc = torch.where(d_g > 0, torch.round(step / d_g.clamp(min=1e-30)), 0).clamp(-127, 127)
+    unit = (d_g * sc)[..., None]
+    q = torch.where(unit != 0, torch.round(w / torch.where(unit != 0, unit, 1.0)), 0)
+    return Q6KWeights((q.clamp(-32, 31) + 32).to(torch.uint8).view(n, k), sc.to(torch.int8), d)

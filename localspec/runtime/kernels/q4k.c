@@ -159,6 +159,116 @@ static inline __attribute__((always_inline)) void block_rows(
 }
 #endif
 
+/* Q6_K: w = d * sc_h * (q - 32), q in 0..63, one signed 8-bit scale sc_h per 16 inputs and one
+ * d per 256. The low 4 bits of q are packed exactly as Q4_K's nibbles (qs above); the top 2
+ * bits go in qh [N/16][K/32][2][64]: byte p of vector t (t = 0, 1) holds, at bits
+ * 4 * (i % 2) + 2 * s, the top bits of operand s of load i = 2t + i % 2 at byte p. sc is
+ * [N/16][K/16][16] int8, d [N/16][ceil(K/256)][16] f32. Per half-group of 16 inputs the int32
+ * sum of q * x minus 32 * sum(x) is exact; it is scaled once, in the same order for any M. */
+#ifndef Q4K_AVX2
+/* Operand s of load i (ii = i % 2): the low nibble or'ed with the top bits moved to 4..5. */
+#define Q6_TOP(hv, sh) ((sh) < 4 ? _mm512_slli_epi16(hv, 4 - (sh)) : \
+                        (sh) == 4 ? (hv) : _mm512_srli_epi16(hv, (sh) - 4))
+static inline __attribute__((always_inline)) void q6_block_rows(
+        const uint8_t *qs, const uint8_t *qh, const int8_t *sc, const float *d,
+        const int8_t *xq, const float *xs, const int32_t *xsum16, float *y, int64_t b,
+        int64_t m0, int rows, int64_t n, int64_t k) {
+    const int64_t groups = k / 32, supers = (groups + 7) / 8;
+    const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
+    __m512 out[ROWS_PER_PASS];
+    for (int r = 0; r < rows; r++) out[r] = _mm512_setzero_ps();
+    const uint8_t *wq = qs + b * groups * 256, *wh = qh + b * groups * 128;
+    const int8_t *wsc = sc + b * groups * 32;
+    __m512 vd = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        if ((g & 7) == 0) vd = _mm512_loadu_ps(d + (b * supers + g / 8) * 16);
+        for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(wq + (g + PREFETCH) * 256 + i * 64), _MM_HINT_T0);
+        for (int i = 0; i < 2; i++) _mm_prefetch((const char *)(wh + (g + PREFETCH) * 128 + i * 64), _MM_HINT_T0);
+        for (int t = 0; t < 2; t++) {
+            const __m512i hv = _mm512_loadu_si512((const void *)(wh + g * 128 + t * 64));
+            __m512i acc[ROWS_PER_PASS];
+            for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_si512();
+            for (int ii = 0; ii < 2; ii++) {
+                const int i = 2 * t + ii;
+                __m512i v = _mm512_loadu_si512((const void *)(wq + g * 256 + i * 64));
+                __m512i w0 = _mm512_or_si512(_mm512_and_si512(v, low),
+                                             _mm512_and_si512(Q6_TOP(hv, 4 * ii), top));
+                __m512i w1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low),
+                                             _mm512_and_si512(Q6_TOP(hv, 4 * ii + 2), top));
+                for (int r = 0; r < rows; r++) {
+                    const int8_t *a = xq + (m0 + r) * k + g * 32 + 8 * i;
+                    acc[r] = _mm512_dpbusd_epi32(acc[r], w0, _mm512_set1_epi32(*(const int32_t *)a));
+                    acc[r] = _mm512_dpbusd_epi32(acc[r], w1, _mm512_set1_epi32(*(const int32_t *)(a + 4)));
+                }
+            }
+            __m512 vsc = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                _mm_loadu_si128((const void *)(wsc + (2 * g + t) * 16)))));
+            for (int r = 0; r < rows; r++) {
+                int64_t at = (m0 + r) * groups + g;
+                __m512i exact = _mm512_sub_epi32(acc[r], _mm512_set1_epi32(32 * xsum16[2 * at + t]));
+                out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact),
+                                         _mm512_mul_ps(vsc, _mm512_set1_ps(xs[at])), out[r]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) _mm512_storeu_ps(y + (m0 + r) * n + b * 16, out[r]);
+}
+#else
+#define Q6_TOP(hv, sh) ((sh) < 4 ? _mm256_slli_epi16(hv, 4 - (sh)) : \
+                        (sh) == 4 ? (hv) : _mm256_srli_epi16(hv, (sh) - 4))
+static inline __attribute__((always_inline)) void q6_block_rows(
+        const uint8_t *qs, const uint8_t *qh, const int8_t *sc, const float *d,
+        const int8_t *xq, const float *xs, const int32_t *xsum16, float *y, int64_t b,
+        int64_t m0, int rows, int64_t n, int64_t k) {
+    const int64_t groups = k / 32, supers = (groups + 7) / 8;
+    const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int h = 0; h < 2; h++) {
+        __m256 out[ROWS_PER_PASS];
+        for (int r = 0; r < rows; r++) out[r] = _mm256_setzero_ps();
+        const uint8_t *wq = qs + b * groups * 256 + h * 32, *wh = qh + b * groups * 128 + h * 32;
+        const int8_t *wsc = sc + b * groups * 32 + h * 8;
+        __m256 vd = _mm256_setzero_ps();
+        for (int64_t g = 0; g < groups; g++) {
+            if ((g & 7) == 0) vd = _mm256_loadu_ps(d + (b * supers + g / 8) * 16 + h * 8);
+            for (int t = 0; t < 2; t++) {
+                _mm_prefetch((const char *)(wq + (g + PREFETCH) * 256 + t * 128), _MM_HINT_T0);
+                _mm_prefetch((const char *)(wq + (g + PREFETCH) * 256 + t * 128 + 64), _MM_HINT_T0);
+                _mm_prefetch((const char *)(wh + (g + PREFETCH) * 128 + t * 64), _MM_HINT_T0);
+                const __m256i hv = _mm256_loadu_si256((const void *)(wh + g * 128 + t * 64));
+                __m256i acc[ROWS_PER_PASS];
+                for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_si256();
+                for (int ii = 0; ii < 2; ii++) {
+                    const int i = 2 * t + ii;
+                    __m256i v = _mm256_loadu_si256((const void *)(wq + g * 256 + i * 64));
+                    __m256i w0 = _mm256_or_si256(_mm256_and_si256(v, low),
+                                                 _mm256_and_si256(Q6_TOP(hv, 4 * ii), top));
+                    __m256i w1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
+                                                 _mm256_and_si256(Q6_TOP(hv, 4 * ii + 2), top));
+                    for (int r = 0; r < rows; r++) {
+                        const int8_t *a = xq + (m0 + r) * k + g * 32 + 8 * i;
+                        acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(
+                            w0, _mm256_set1_epi32(*(const int32_t *)a)), ones));
+                        acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(
+                            w1, _mm256_set1_epi32(*(const int32_t *)(a + 4))), ones));
+                    }
+                }
+                __m256 vsc = _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                    _mm_loadl_epi64((const void *)(wsc + (2 * g + t) * 16)))));
+                for (int r = 0; r < rows; r++) {
+                    int64_t at = (m0 + r) * groups + g;
+                    __m256i exact = _mm256_sub_epi32(acc[r], _mm256_set1_epi32(32 * xsum16[2 * at + t]));
+                    out[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact),
+                                             _mm256_mul_ps(vsc, _mm256_set1_ps(xs[at])), out[r]);
+                }
+            }
+        }
+        for (int r = 0; r < rows; r++)
+            _mm256_storeu_ps(y + (m0 + r) * n + b * 16 + h * 8, out[r]);
+    }
+}
+#endif
+
 /* y [m_rows, n] = x [m_rows, k] times the packed weights; k % 32 == 0, n % 16 == 0.
  * Returns 0, or -1 when the scratch memory could not be had. */
 int q4k_linear(const float *x, int64_t m_rows, int64_t k, const uint8_t *qs, const uint8_t *sc,
@@ -189,5 +299,42 @@ int q4k_linear(const float *x, int64_t m_rows, int64_t k, const uint8_t *qs, con
         }
     }
     free(xq); free(xs); free(xsum);
+    return 0;
+}
+
+/* The same for Q6_K weights (layout above). */
+int q6k_linear(const float *x, int64_t m_rows, int64_t k, const uint8_t *qs, const uint8_t *qh,
+               const int8_t *sc, const float *d, int64_t n, float *y, int threads) {
+    const int64_t groups = k / 32;
+    int8_t *xq = malloc((size_t)(m_rows * k));
+    float *xs = malloc(sizeof(float) * (size_t)(m_rows * groups));
+    float *xsum = malloc(sizeof(float) * (size_t)(m_rows * groups));
+    int32_t *xsum16 = malloc(sizeof(int32_t) * (size_t)(m_rows * groups * 2));
+    if (!xq || !xs || !xsum || !xsum16) {
+        free(xq); free(xs); free(xsum); free(xsum16);
+        return -1;
+    }
+    quantize_rows(x, m_rows, k, xq, xs, xsum);
+    for (int64_t h = 0; h < m_rows * groups * 2; h++) {
+        int32_t total = 0;
+        for (int j = 0; j < 16; j++) total += xq[h * 16 + j];
+        xsum16[h] = total;
+    }
+    const int64_t blocks = n / 16;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        for (int64_t m0 = 0; m0 < m_rows; m0 += ROWS_PER_PASS) {
+            int64_t rows = m_rows - m0 < ROWS_PER_PASS ? m_rows - m0 : ROWS_PER_PASS;
+            switch (rows) {
+#define ROWS(R) case R: q6_block_rows(qs, qh, sc, d, xq, xs, xsum16, y, b, m0, R, n, k); break;
+                ROWS(1) ROWS(2) ROWS(3) ROWS(4)
+#if ROWS_PER_PASS > 4
+                ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+#endif
+#undef ROWS
+            }
+        }
+    }
+    free(xq); free(xs); free(xsum); free(xsum16);
     return 0;
 }
