@@ -269,72 +269,74 @@ static inline __attribute__((always_inline)) void q6_block_rows(
 }
 #endif
 
+/* The quantized activations of one call (see quantize_rows), and for Q6_K the int sum of each
+ * 16 inputs. NULL when memory could not be had. */
+typedef struct { int8_t *xq; float *xs, *xsum; int32_t *xsum16; } Scratch;
+
+static int scratch_make(Scratch *s, const float *x, int64_t m_rows, int64_t k, int sums16) {
+    const int64_t groups = k / 32;
+    s->xq = malloc((size_t)(m_rows * k));
+    s->xs = malloc(sizeof(float) * (size_t)(m_rows * groups));
+    s->xsum = malloc(sizeof(float) * (size_t)(m_rows * groups));
+    s->xsum16 = sums16 ? malloc(sizeof(int32_t) * (size_t)(m_rows * groups * 2)) : NULL;
+    if (!s->xq || !s->xs || !s->xsum || (sums16 && !s->xsum16)) return -1;
+    quantize_rows(x, m_rows, k, s->xq, s->xs, s->xsum);
+    for (int64_t h = 0; sums16 && h < m_rows * groups * 2; h++) {
+        int32_t total = 0;
+        for (int j = 0; j < 16; j++) total += s->xq[h * 16 + j];
+        s->xsum16[h] = total;
+    }
+    return 0;
+}
+
+static void scratch_free(Scratch *s) {
+    free(s->xq); free(s->xs); free(s->xsum); free(s->xsum16);
+}
+
+/* Every 16-row block of outputs, ROWS_PER_PASS input rows at a time, split between threads;
+ * CALL(R) handles R rows from m0 of block b, R a constant so that accumulators stay in
+ * registers. */
+#if ROWS_PER_PASS > 4
+#define WIDE_ROWS(CALL) CALL(5) CALL(6) CALL(7) CALL(8)
+#else
+#define WIDE_ROWS(CALL)
+#endif
+#define FOR_BLOCKS(CALL)                                                                    \
+    _Pragma("omp parallel for num_threads(threads) schedule(static)")                       \
+    for (int64_t b = 0; b < n / 16; b++) {                                                  \
+        for (int64_t m0 = 0; m0 < m_rows; m0 += ROWS_PER_PASS) {                            \
+            switch (m_rows - m0 < ROWS_PER_PASS ? m_rows - m0 : ROWS_PER_PASS) {            \
+                CALL(1) CALL(2) CALL(3) CALL(4) WIDE_ROWS(CALL)                             \
+            }                                                                               \
+        }                                                                                   \
+    }
+
 /* y [m_rows, n] = x [m_rows, k] times the packed weights; k % 32 == 0, n % 16 == 0.
  * Returns 0, or -1 when the scratch memory could not be had. */
 int q4k_linear(const float *x, int64_t m_rows, int64_t k, const uint8_t *qs, const uint8_t *sc,
                const uint8_t *mn, const float *d, const float *dmin, int64_t n, float *y,
                int threads) {
-    const int64_t groups = k / 32;
-    int8_t *xq = malloc((size_t)(m_rows * k));
-    float *xs = malloc(sizeof(float) * (size_t)(m_rows * groups));
-    float *xsum = malloc(sizeof(float) * (size_t)(m_rows * groups));
-    if (!xq || !xs || !xsum) {
-        free(xq); free(xs); free(xsum);
-        return -1;
+    Scratch s;
+    int ok = scratch_make(&s, x, m_rows, k, 0) == 0;
+    if (ok) {
+#define Q4(R) case R: block_rows(qs, sc, mn, d, dmin, s.xq, s.xs, s.xsum, y, b, m0, R, n, k); break;
+        FOR_BLOCKS(Q4)
+#undef Q4
     }
-    quantize_rows(x, m_rows, k, xq, xs, xsum);
-    const int64_t blocks = n / 16;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t b = 0; b < blocks; b++) {
-        for (int64_t m0 = 0; m0 < m_rows; m0 += ROWS_PER_PASS) {
-            int64_t rows = m_rows - m0 < ROWS_PER_PASS ? m_rows - m0 : ROWS_PER_PASS;
-            switch (rows) {
-#define ROWS(R) case R: block_rows(qs, sc, mn, d, dmin, xq, xs, xsum, y, b, m0, R, n, k); break;
-                ROWS(1) ROWS(2) ROWS(3) ROWS(4)
-#if ROWS_PER_PASS > 4
-                ROWS(5) ROWS(6) ROWS(7) ROWS(8)
-#endif
-#undef ROWS
-            }
-        }
-    }
-    free(xq); free(xs); free(xsum);
-    return 0;
+    scratch_free(&s);
+    return ok ? 0 : -1;
 }
 
 /* The same for Q6_K weights (layout above). */
 int q6k_linear(const float *x, int64_t m_rows, int64_t k, const uint8_t *qs, const uint8_t *qh,
                const int8_t *sc, const float *d, int64_t n, float *y, int threads) {
-    const int64_t groups = k / 32;
-    int8_t *xq = malloc((size_t)(m_rows * k));
-    float *xs = malloc(sizeof(float) * (size_t)(m_rows * groups));
-    float *xsum = malloc(sizeof(float) * (size_t)(m_rows * groups));
-    int32_t *xsum16 = malloc(sizeof(int32_t) * (size_t)(m_rows * groups * 2));
-    if (!xq || !xs || !xsum || !xsum16) {
-        free(xq); free(xs); free(xsum); free(xsum16);
-        return -1;
+    Scratch s;
+    int ok = scratch_make(&s, x, m_rows, k, 1) == 0;
+    if (ok) {
+#define Q6(R) case R: q6_block_rows(qs, qh, sc, d, s.xq, s.xs, s.xsum16, y, b, m0, R, n, k); break;
+        FOR_BLOCKS(Q6)
+#undef Q6
     }
-    quantize_rows(x, m_rows, k, xq, xs, xsum);
-    for (int64_t h = 0; h < m_rows * groups * 2; h++) {
-        int32_t total = 0;
-        for (int j = 0; j < 16; j++) total += xq[h * 16 + j];
-        xsum16[h] = total;
-    }
-    const int64_t blocks = n / 16;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t b = 0; b < blocks; b++) {
-        for (int64_t m0 = 0; m0 < m_rows; m0 += ROWS_PER_PASS) {
-            int64_t rows = m_rows - m0 < ROWS_PER_PASS ? m_rows - m0 : ROWS_PER_PASS;
-            switch (rows) {
-#define ROWS(R) case R: q6_block_rows(qs, qh, sc, d, xq, xs, xsum16, y, b, m0, R, n, k); break;
-                ROWS(1) ROWS(2) ROWS(3) ROWS(4)
-#if ROWS_PER_PASS > 4
-                ROWS(5) ROWS(6) ROWS(7) ROWS(8)
-#endif
-#undef ROWS
-            }
-        }
-    }
-    free(xq); free(xs); free(xsum); free(xsum16);
-    return 0;
+    scratch_free(&s);
+    return ok ? 0 : -1;
 }
