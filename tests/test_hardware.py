@@ -34,10 +34,12 @@ from transformers import (
 
 from localspec.cli.export import export_vllm
 from localspec.cli.main import main
+from localspec.drafters.eagle_head import EagleHead, EagleSpec
 from localspec.errors import ModelLoadError
 from localspec.models.builtin import BUILTIN_MODELS
 from localspec.models.cache import _source_files
 from localspec.models.hardware import (
+    EAGLE3_DRAFT_VOCAB,
     GIB,
     HARDWARE_MEMORY,
     KNOWN_CONFIGS,
@@ -51,6 +53,7 @@ from localspec.models.hardware import (
     detect_hardware,
     estimate_preset,
     fits,
+    head_weight_bytes,
     kv_cache_bytes,
     survey_presets,
     weight_bytes,
@@ -240,6 +243,18 @@ def test_gpu_presets_fit_their_class(name: str) -> None:
     assert estimate.total <= 0.95 * HARDWARE_MEMORY[preset.hardware]
     assert fits(estimate, Hardware(16, 64 * GIB, 60 * GIB, (Gpu("card", HARDWARE_MEMORY[
         preset.hardware]),)))[0]
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_head_weight_bytes_match_a_built_head(method: str) -> None:
+    """The estimate of a published head is the size of the head module LocalSpec loads it
+    into, shaped for the target as the EAGLE authors shape theirs (no embedding of its own)."""
+    config = LlamaConfig(**SMALL)
+    spec = EagleSpec.for_target(config, method, draft_vocab_size=EAGLE3_DRAFT_VOCAB)
+    head = EagleHead(spec, dtype=torch.bfloat16, device="meta")
+    built = sum(t.numel() * 2 for n, t in head.state_dict().items() if n != "d2t")
+    norms = sum(t.numel() * 2 for n, t in head.state_dict().items() if "norm" in n)
+    assert head_weight_bytes(Architecture.from_config(config.to_dict()), method) == built - norms
 
 
 def test_fits_reasons() -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import psutil
 
-from localspec.config import DTYPES, HARDWARE, Preset, cache_root
+from localspec.config import DTYPES, HARDWARE, HEAD_METHODS, Preset, cache_root
 from localspec.models.builtin import BUILTIN_MODELS
 
 GIB = 1024**3
@@ -123,8 +123,8 @@ def weight_bytes(arch: Architecture, quantization: str = "none", dtype: str = "a
     (the lean CPU forward) is one byte plus a float32 scale per row for every linear layer, and
     its LM head is held twice in int8 (packed for oneDNN, and plain for cutting a draft's rows):
     as many bytes as a bfloat16 head, on top of the embeddings even when they were tied. w4a8
-    keeps a GGUF's Q4_K matrices as they are (4.5 bits a weight; counted for every linear layer,
-    though a Q4_K_M file has some Q6_K ones, served as w8a8) and is otherwise w8a8."""
+    keeps a GGUF's Q4_K and Q6_K matrices as they are (4.5 bits a weight counted for every
+    linear layer; a Q4_K_M file's Q6_K ones read 6.6) and is otherwise w8a8."""
     counts = count_parameters(arch)
     unit = DTYPE_BYTES.get(dtype, 2)
     other = counts.other * unit
@@ -197,6 +197,26 @@ def architecture(model: str) -> Architecture:
     return Architecture.from_config(known)
 
 
+EAGLE3_DRAFT_VOCAB = 32000  # the draft vocabulary of the published EAGLE-3 Llama heads
+MEDUSA_HEADS = 5  # the published Medusa heads' count
+
+
+def head_weight_bytes(arch: Architecture, method: str) -> int:
+    """Bytes of a published draft head for a target of ``arch``, in 16 bits as they ship:
+    EAGLE / EAGLE-3 are ``fc`` and one decoder layer shaped like the target's (EAGLE-3's
+    attention reads 2h, and it has an LM head over its draft vocabulary); Medusa is
+    MEDUSA_HEADS residual blocks with an LM head each. Their KV cache (one layer) is left
+    out: a 130th of an 8B target's."""
+    h, d = arch.hidden_size, arch.head_dim
+    q, kv = arch.num_attention_heads * d, arch.num_key_value_heads * d
+    if method == "medusa":
+        return 2 * MEDUSA_HEADS * (h * h + h + arch.vocab_size * h)
+    width = 2 * h if method == "eagle3" else h
+    layer = width * (q + 2 * kv) + q * h + 3 * h * arch.intermediate_size
+    fc = (3 if method == "eagle3" else 2) * h * h
+    return 2 * (fc + layer + (EAGLE3_DRAFT_VOCAB * h if method == "eagle3" else 0))
+
+
 # ----------------------------------------------------------------------------- presets
 
 
@@ -225,17 +245,21 @@ def runs_on_gpu(preset: Preset) -> bool:
 
 
 def estimate_preset(preset: Preset, context: int = DEFAULT_CONTEXT) -> MemoryEstimate:
-    """Memory the preset needs: target and draft weights, KV caches of both, overhead."""
+    """Memory the preset needs: target and draft (model or head) weights, KV caches of both,
+    overhead."""
     target = architecture(preset.target.model)
     ctx = min(context, target.max_position_embeddings or context)
     target_bytes = weight_bytes(target, preset.target.quantization, preset.target.dtype)
     kv = kv_cache_bytes(target, ctx, preset.target.dtype)
     draft_bytes = 0
     draft_spec = preset.draft_spec()
-    if draft_spec is not None and preset.speculative_config.method == "draft_model":
+    method = preset.speculative_config.method
+    if draft_spec is not None and method == "draft_model":
         draft = architecture(draft_spec.model)
         draft_bytes = weight_bytes(draft, draft_spec.quantization, draft_spec.dtype)
         kv += kv_cache_bytes(draft, ctx, draft_spec.dtype)
+    elif method in HEAD_METHODS:
+        draft_bytes = head_weight_bytes(target, method)
     overhead = RUNTIME_OVERHEAD + int(WEIGHT_MARGIN * (target_bytes + draft_bytes))
     return MemoryEstimate(target_bytes, draft_bytes, kv, overhead, ctx, runs_on_gpu(preset))
 
