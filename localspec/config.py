@@ -50,6 +50,9 @@ DEFAULT_PRESET = "cpu-qwen-coder-draft"
 # Methods that draft from the target's hidden features with a head named in
 # [speculative_config] model (a folder or a Hugging Face repo id), as vLLM names them.
 HEAD_METHODS: tuple[str, ...] = ("eagle", "eagle3", "medusa")
+# Heads shipped inside the package (localspec/data/heads/<name>/), by the name a preset's
+# [speculative_config] model gives, with the built-in target each was trained for.
+BUILTIN_HEADS: dict[str, str] = {"qwen2.5-coder-1.5b-eagle3": "qwen2.5-coder-1.5b-instruct"}
 
 
 
@@ -105,7 +108,8 @@ class SpeculativeConfig(BaseModel):
     model_config = _STRICT
 
     method: Method = "none"
-    model: NonEmpty | None = None  # the draft model ("draft_model") or head (HEAD_METHODS)
+    # the draft model ("draft_model") or head (HEAD_METHODS: a built-in head, folder or repo id)
+    model: NonEmpty | None = None
     num_speculative_tokens: SpecTokens = 5
     prompt_lookup_max: LookupN = 4
     prompt_lookup_min: LookupN = 1
@@ -146,7 +150,7 @@ class LocalSpecConfig(BaseModel):
     draft_confidence_threshold: Probability01 = 0.3  # stop drafting below this confidence
     logits_fp32: bool = True  # target's final norm and top logits in float32
     draft_vocab_size: Annotated[int, Field(ge=0)] = 0  # draft LM head cut to N ids (0 = all)
-    lookup_first: bool = False  # draft_model: n-gram lookup first, the draft model on a miss
+    lookup_first: bool = False  # n-gram lookup first, the draft model or head on a miss
 
 
 @dataclass(frozen=True)

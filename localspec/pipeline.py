@@ -165,23 +165,25 @@ class Pipeline:
             return None
         if method == "ngram":
             return NgramDrafter(sc.prompt_lookup_max, sc.prompt_lookup_min)
-        if method in HEAD_METHODS:
-            return self._make_head_drafter(method)
+        drafter = self._make_head_drafter(method) if method in HEAD_METHODS else \
+            self._make_model_drafter()
+        if self.preset.localspec.lookup_first:
+            return LookupFirstDrafter(NgramDrafter(sc.prompt_lookup_max, sc.prompt_lookup_min),
+                                      drafter)
+        return drafter
+
+    def _make_model_drafter(self) -> Drafter:
         if self.draft is None:
             raise PresetError(f"method 'draft_model' needs a draft model, and this pipeline of "
                               f"preset '{self.preset.name}' was loaded without one")
         rows = frequent_token_rows(self.draft.tokenizer, self.preset.localspec.draft_vocab_size,
                                    self.draft.vocab_size)
-        drafter = DraftModelDrafter(
+        return DraftModelDrafter(
             self.draft.runner(vocab_rows=rows),
             target_vocab_size=self.target_runner().vocab_size,
             tokenizer_vocab_size=len(self.tokenizer),
             confidence_threshold=self.preset.localspec.draft_confidence_threshold,
         )
-        if self.preset.localspec.lookup_first:
-            return LookupFirstDrafter(NgramDrafter(sc.prompt_lookup_max, sc.prompt_lookup_min),
-                                      drafter)
-        return drafter
 
     def _make_head_drafter(self, method: str) -> Drafter:
         """An EAGLE, EAGLE-3 or Medusa drafter over the target's runner, its head read from

@@ -1,4 +1,5 @@
-"""Presets as data: ``localspec/data/presets/*.toml``, found through ``importlib.resources``.
+"""Presets as data: ``localspec/data/presets/*.toml`` (and the built-in draft heads beside them,
+``localspec/data/heads/``), found through ``importlib.resources``.
 
 This module finds and reads preset files; what a preset may say is ``localspec.config``'s
 schema. A preset is named by its file stem (``cpu-qwen-coder-draft``) or by a path to any
@@ -15,13 +16,18 @@ from pathlib import Path
 from localspec.config import DEFAULT_PRESET, Preset, parse_preset
 from localspec.errors import PresetError
 
-__all__ = ["DEFAULT_PRESET", "Preset", "PresetError", "list_preset_names", "load_preset",
-           "parse_preset", "preset_path", "presets_dir"]
+__all__ = ["DEFAULT_PRESET", "Preset", "PresetError", "builtin_head_folder", "list_preset_names",
+           "load_preset", "parse_preset", "preset_path", "presets_dir"]
 
 
 def presets_dir() -> Traversable:
     """The shipped presets, inside the installed package."""
     return resources.files("localspec").joinpath("data", "presets")
+
+
+def builtin_head_folder(name: str) -> Path:
+    """Where the package keeps built-in draft head ``name`` (a name of ``BUILTIN_HEADS``)."""
+    return Path(str(resources.files("localspec").joinpath("data", "heads", name)))
 
 
 def list_preset_names() -> list[str]:

@@ -191,7 +191,12 @@ hardware = "cpu"
 target = {{ model = "{target}", dtype = "float32", device = "cpu" }}
 speculative_config = {{ method = "{method}", num_speculative_tokens = {k}{draft} }}
 sampling = {{ max_new_tokens = {max_new_tokens} }}
-localspec = {{ draft_dtype = "float32", draft_confidence_threshold = 0.0, adaptive_k = {adaptive} }}
+
+[localspec]
+draft_dtype = "float32"
+draft_confidence_threshold = 0.0
+adaptive_k = {adaptive}
+lookup_first = {lookup_first}
 """
 
 
@@ -211,13 +216,15 @@ def tiny_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def write_preset(folder: Path, target: Path, draft: Path | None = None, method: str | None = None,
-                 k: int = 3, max_new_tokens: int = 8, adaptive: bool = True) -> str:
+                 k: int = 3, max_new_tokens: int = 8, adaptive: bool = True,
+                 lookup_first: bool = False) -> str:
     """A preset file for ``target`` (draft_model with ``draft``, else ngram, unless ``method``
     says otherwise); its path."""
     method = method or ("draft_model" if draft else "ngram")
-    path = folder / f"tiny-{method}.toml"
+    path = folder / f"tiny-{method}{'-lookup-first' if lookup_first else ''}.toml"
     path.write_text(PRESET.format(name=f"tiny {method}", target=target, method=method, k=k,
                                   max_new_tokens=max_new_tokens, adaptive=str(adaptive).lower(),
+                                  lookup_first=str(lookup_first).lower(),
                                   draft=f', model = "{draft}"' if draft else ""),
                     encoding="utf-8")
     return str(path)

@@ -7,6 +7,7 @@ and why, never a traceback."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import huggingface_hub.constants
@@ -26,6 +27,8 @@ from head_models import (
 )
 
 from localspec.cli.export import export_vllm
+from localspec.config import BUILTIN_HEADS
+from localspec.drafters import head_files
 from localspec.drafters.eagle import EagleDrafter
 from localspec.drafters.head_files import read_head
 from localspec.drafters.head_layouts import load_eagle_head, load_medusa_heads
@@ -33,7 +36,7 @@ from localspec.drafters.medusa import MedusaDrafter
 from localspec.engine.engine import GenerationRequest, SpeculativeEngine
 from localspec.errors import ModelLoadError, PresetError
 from localspec.pipeline import check_method
-from localspec.presets import load_preset
+from localspec.presets import builtin_head_folder, load_preset
 from localspec.runtime.decoder import LeanDecoder
 from localspec.runtime.runner import ModelRunner
 
@@ -282,14 +285,34 @@ def test_unreadable_heads_are_refused(tmp_path: Path, setup: str, needle: str) -
         read_head(str(folder))
 
 
+def test_a_builtin_head_is_read_from_the_package(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A built-in head's name reads the package's folder; an install that lacks it says so
+    (and what to do) instead of trying the Hub; export-vllm gives vLLM the folder."""
+    name = next(iter(BUILTIN_HEADS))
+    folder = write_head(tmp_path / name, medusa_config(), medusa_tensors(HIDDEN, VOCAB),
+                        "medusa_lm_head.safetensors")
+    monkeypatch.setattr(head_files, "builtin_head_folder", lambda _: folder)
+    files = read_head(name)
+    assert files.folder == folder and "0.0.linear.weight" in files.tensors
+    monkeypatch.setattr(head_files, "builtin_head_folder", lambda _: tmp_path / "gone")
+    with pytest.raises(ModelLoadError, match=r"missing from this install.*reinstall"):
+        read_head(name)
+    assert (builtin_head_folder(name) / "config.json").is_file()  # the real one ships
+    preset = load_preset("cpu-qwen-coder-eagle")
+    assert preset.speculative_config.model == name
+    assert export_vllm(preset).speculative_config["model"] == str(builtin_head_folder(name))
+
+
 # ----------------------------------------------------------------------------- end to end
 
 
 def test_presets_with_heads_end_to_end(tmp_path: Path, tiny_folders: dict[str, Path],
                                        capsys: pytest.CaptureFixture[str],
                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A preset naming a head folder: `generate` with each method prints the plain greedy
-    text; a head for another target is one line of error, exit status 2."""
+    """A preset naming a head folder: `generate` with each method, alone or behind n-gram
+    lookup, prints the plain greedy text; a head for another target is one line of error,
+    exit status 2."""
     monkeypatch.setenv("LOCALSPEC_CACHE", str(tmp_path / "cache"))
     vocab = 300  # tiny_folders' target: a 2-layer Qwen2 with a 300-token tokenizer
     heads = {
@@ -305,11 +328,11 @@ def test_presets_with_heads_end_to_end(tmp_path: Path, tiny_folders: dict[str, P
     plain = run_cli(capsys, "generate", "--preset", write_preset(
         tmp_path, tiny_folders["target"], method="none", max_new_tokens=12), "--prompt", "hi")
     assert plain[0] == 0, plain[2]
-    for method, folder in heads.items():
+    for (method, folder), lookup_first in itertools.product(heads.items(), (False, True)):
         preset = write_preset(tmp_path, tiny_folders["target"], folder, method=method,
-                              max_new_tokens=12, adaptive=False)
+                              max_new_tokens=12, adaptive=False, lookup_first=lookup_first)
         code, out, err = run_cli(capsys, "generate", "--preset", preset, "--prompt", "hi")
-        assert code == 0 and out == plain[1], (method, err)
+        assert code == 0 and out == plain[1], (method, lookup_first, err)
         assert f"[{method}] 12 tokens" in err
     wrong = write_head(tmp_path / "wrong", medusa_config(), medusa_tensors(48, vocab),
                        "medusa_lm_head.pt")

@@ -13,8 +13,9 @@ import json
 import shlex
 from dataclasses import dataclass
 
-from localspec.config import HEAD_METHODS, Preset, SpeculativeConfig
+from localspec.config import BUILTIN_HEADS, HEAD_METHODS, Preset, SpeculativeConfig
 from localspec.models.hardware import hf_repo_for
+from localspec.presets import builtin_head_folder
 
 # LocalSpec method name -> vLLM's speculative_config "method"
 VLLM_METHODS = {"draft_model": "draft_model", "ngram": "ngram", "eagle": "eagle",
@@ -51,6 +52,9 @@ def speculative_config_for_vllm(sc: SpeculativeConfig, notes: list[str]) -> dict
                          "dropped (the draft runs unquantized)")
     if sc.method in HEAD_METHODS and sc.model:  # a Hub id or folder, as vLLM takes it
         config["model"] = sc.model
+        if sc.model in BUILTIN_HEADS:
+            config["model"] = str(builtin_head_folder(sc.model))
+            notes.append(f"built-in head '{sc.model}' is the folder {config['model']}")
     if sc.method == "ngram":
         config["prompt_lookup_max"] = sc.prompt_lookup_max
         config["prompt_lookup_min"] = sc.prompt_lookup_min

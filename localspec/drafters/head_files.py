@@ -1,5 +1,5 @@
-"""Finding and reading a draft head's files: a folder or a Hugging Face repo id, its
-config.json and its tensors.
+"""Finding and reading a draft head's files: a built-in head (shipped in the package), a
+folder or a Hugging Face repo id; its config.json and its tensors.
 
 Heads are published as a config.json and one weights file: ``pytorch_model.bin`` (EAGLE,
 EAGLE-3), ``medusa_lm_head.pt`` (Medusa) or ``*.safetensors``. Safetensors are preferred when
@@ -21,7 +21,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from localspec.config import BUILTIN_HEADS
 from localspec.errors import ModelLoadError
+from localspec.presets import builtin_head_folder
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.bin", "*.pt"]
 
@@ -48,8 +50,14 @@ def _looks_like_repo_id(name: str) -> bool:
 
 
 def resolve_head(name: str) -> Path:
-    """The local folder of head ``name``: a folder, or a Hub repo's snapshot (the cache, or a
-    download when online)."""
+    """The local folder of head ``name``: a built-in head, a folder, or a Hub repo's snapshot
+    (the cache, or a download when online)."""
+    if name in BUILTIN_HEADS:
+        folder = builtin_head_folder(name)
+        if not (folder / "config.json").is_file():
+            raise ModelLoadError(f"built-in draft head '{name}' is missing from this install "
+                                 f"({folder}): reinstall LocalSpec (pip install -e .)")
+        return folder
     path = Path(name).expanduser()
     if path.is_dir():
         return path
