@@ -334,6 +334,10 @@ def test_presets_with_heads_end_to_end(tmp_path: Path, tiny_folders: dict[str, P
         code, out, err = run_cli(capsys, "generate", "--preset", preset, "--prompt", "hi")
         assert code == 0 and out == plain[1], (method, lookup_first, err)
         assert f"[{method}] 12 tokens" in err
+    prompts = tmp_path / "prompts.jsonl"  # the built-in ones overflow the tiny model's context
+    prompts.write_text('{"prompt": "hi"}\n{"prompt": "add two numbers"}\n', encoding="utf-8")
+    code, out, err = run_cli(capsys, "verify", "--preset", preset, "--prompts", str(prompts))
+    assert code == 0 and "PASSED" in out and f" {method} " in out, err  # the head is checked
     wrong = write_head(tmp_path / "wrong", medusa_config(), medusa_tensors(48, vocab),
                        "medusa_lm_head.pt")
     preset = write_preset(tmp_path, tiny_folders["target"], wrong, method="medusa")

@@ -27,6 +27,7 @@ from scipy.stats import chisquare
 
 from localspec.cli.bench import first_difference
 from localspec.cli.prompts import encode_prompts
+from localspec.config import HEAD_METHODS
 from localspec.engine.verify import SamplingParams, logits_to_probs, sample, verify_sampling
 from localspec.pipeline import Pipeline
 from localspec.runtime.runner import ModelRunner
@@ -176,8 +177,12 @@ def check_sampling(pipe: Pipeline, prompts: list[dict[str, Any]], positions: int
 
 def run_checks(pipe: Pipeline, prompts: list[dict[str, Any]], max_new_tokens: int,
                log: Callable[[str], None] = _no_log) -> dict[str, Any]:
-    """Greedy equality for every speculative method the pipeline has, then sampling."""
+    """Greedy equality for every speculative method the pipeline has (its head's too), then
+    sampling (one-hot and draft-model q: a head's q comes from features of the live sequence,
+    and the verifier treats every q alike)."""
     methods = ["ngram"] + (["draft_model"] if pipe.draft is not None else [])
+    if pipe.preset.speculative_config.method in HEAD_METHODS:
+        methods.append(pipe.preset.speculative_config.method)
     greedy = check_greedy(pipe, prompts, methods, max_new_tokens, log)
     sampling = check_sampling(pipe, prompts, log=log)
     return {

@@ -222,9 +222,11 @@ class LMHead:
         kernel library for a Q6_K head."""
         self.tensors = dict(tensors)
         self.linear = "q6k" if "qh" in tensors else "w8a8" if "q" in tensors else "dense"
-        blocks, _, block_rows = tensors["d"].shape if self.linear == "q6k" else (0, 0, 0)
-        self.vocab_size = int(blocks * block_rows if self.linear == "q6k" else
-                              tensors["q" if self.linear == "w8a8" else "weight"].shape[0])
+        if self.linear == "q6k":
+            blocks, _, block_rows = tensors["d"].shape
+            self.vocab_size = blocks * block_rows
+        else:
+            self.vocab_size = int(tensors["q" if self.linear == "w8a8" else "weight"].shape[0])
         self.lib = lib
         self._packed: dict[tuple[int, ...] | None, Linear] = {}
 

@@ -81,7 +81,7 @@ class Q4KLinear:
     """y = x W^T + b with W in Q4_K (see ``localspec.runtime.kernels``); float32 in and out."""
 
     PACKED = Q4K_PACKED  # the kernel's tensors, in its argument order
-    WHAT = "Q4_K"
+    FUNCTION, WHAT = "q4k_linear", "Q4_K"
 
     def __init__(self, packed: Mapping[str, torch.Tensor], bias: torch.Tensor | None,
                  lib: ctypes.CDLL) -> None:
@@ -91,12 +91,8 @@ class Q4KLinear:
         self.out_features = blocks * rows
         self.in_features = self.packed["qs"].numel() * 2 // self.out_features
         self.bias = None if bias is None else bias.detach().float()
-        self._kernel = self._function(lib)
+        self._kernel = getattr(lib, self.FUNCTION)
         self._pointers = [self.packed[name].data_ptr() for name in self.PACKED]
-
-    @staticmethod
-    def _function(lib: ctypes.CDLL) -> ctypes._CFuncPtr:
-        return lib.q4k_linear
 
     @classmethod
     def from_weights(cls, weights: Q4KWeights, bias: torch.Tensor | None,
@@ -118,11 +114,7 @@ class Q6KLinear(Q4KLinear):
     """The same for W in Q6_K (``pack_q6k``): 6.6 bits a weight where int8 reads 8."""
 
     PACKED = Q6K_PACKED
-    WHAT = "Q6_K"
-
-    @staticmethod
-    def _function(lib: ctypes.CDLL) -> ctypes._CFuncPtr:
-        return lib.q6k_linear
+    FUNCTION, WHAT = "q6k_linear", "Q6_K"
 
     @classmethod
     def from_weights(cls, weights: Q6KWeights, bias: torch.Tensor | None,  # type: ignore[override]

@@ -7,7 +7,9 @@ served as int8 it reads 1.8x the bytes. PyTorch's CPU int4 kernel
 one, which ruins verification, and torchao's W4A8 CPU kernels are not in its PyPI wheel. So
 ``q4k.c`` multiplies Q4_K weights, exactly as the file holds them, by int8 activations with
 VNNI (or AVX2 on CPUs without AVX-512, with the same bits), flat up to several rows and
-bit-identical whatever the number of rows (see the C file).
+bit-identical whatever the number of rows (see the C file); it does the same for the file's
+Q6_K matrices (the LM head, half the v and down projections of a Q4_K_M file), which int8
+would read at 8 bits instead of 6.6.
 
 The library is compiled once per source and flags into the LocalSpec cache (``kernels/``);
 where there is no compiler or neither AVX-512 VNNI nor AVX2, ``load_q4k`` says why and
