@@ -40,8 +40,9 @@ DTYPES: tuple[str, ...] = get_args(Dtype)
 DEVICES: tuple[str, ...] = get_args(Device)
 QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 # Served by the lean CPU forward (localspec.runtime.decoder): "w8a8" int8 weights and per-token
-# int8 activations; "w4a8" a GGUF's Q4_K matrices as stored (others w8a8); "w4a8-requant" every
-# matrix requantized to Q4_K (lossy against the file: meant for drafts, which only guess).
+# int8 activations; "w4a8" a GGUF's Q4_K and Q6_K matrices as stored (others w8a8);
+# "w4a8-requant" every layer matrix requantized to Q4_K (lossy against the file: meant for
+# drafts, which only guess).
 LEAN_QUANTIZATIONS: tuple[str, ...] = ("w8a8", "w4a8", "w4a8-requant")
 HARDWARE: tuple[str, ...] = get_args(HardwareClass)
 HARDWARE_LABELS = {"cpu": "CPU", "gpu-8gb": "GPU 8 GB", "gpu-12gb": "GPU 12 GB",

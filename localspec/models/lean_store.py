@@ -3,7 +3,7 @@
 Quantizing the 1.5B target from bfloat16 takes about half a minute on 2 cores and passes 3 GB
 of float temporaries through memory; reading its int8 tensors back takes a second. So the first
 ``w8a8`` (or ``w4a8``) load of a model saves what the lean forward holds (int8 rows and
-scales, packed Q4_K blocks, norms, the embedding) in ``<cache>/<kind>/<folder>-<key>/``,
+scales, packed Q4_K and Q6_K blocks, norms, the embedding) in ``<cache>/<kind>/<folder>-<key>/``,
 keyed by the source folder's path and the size and modification time of its weight files,
 and every later start reads that instead; the
 transformers model's own weights are then never touched. Tensors are read one at a time and
@@ -169,7 +169,7 @@ def lean_decoder(model: PreTrainedModel, folder: Path, kind: str = "w8a8",
                  q4k: Mapping[str, KQuantWeights] | None = None,
                  q4k_lib: object | None = None) -> LeanDecoder:
     """The lean ``kind`` forward of ``model`` (loaded from ``folder``): from the store when it
-    holds a sound copy, else quantized now (``q4k``: the source file's Q4_K matrices, for
+    holds a sound copy, else quantized now (``q4k``: the source file's Q4_K and Q6_K matrices, for
     "w4a8") and stored for the next start."""
     out_dir = store_dir(folder, kind)
     decoder = _from_store(model, out_dir, kind, q4k_lib)
@@ -192,10 +192,10 @@ def gguf_source(spec: ModelSpec) -> Path | None:
 
 
 def lean_kind(spec: ModelSpec, progress: Progress) -> tuple[str, object | None]:
-    """The lean forward a spec of LEAN_QUANTIZATIONS gets here, and the Q4_K kernel for the
-    w4a8 kinds. They need the native kernel (AVX2 or AVX-512 VNNI, and a C compiler), and
-    "w4a8" a GGUF source (its Q4_K matrices); without them it is served as "w8a8", and the log
-    and progress say why."""
+    """The lean forward a spec of LEAN_QUANTIZATIONS gets here, and the kernel library for the
+    w4a8 kinds. They need the native kernels (AVX2 or AVX-512 VNNI, and a C compiler), and
+    "w4a8" a GGUF source (its Q4_K and Q6_K matrices); without them it is served as "w8a8",
+    and the log and progress say why."""
     if spec.quantization == "w8a8":
         return "w8a8", None
     if spec.quantization == "w4a8" and gguf_source(spec) is None:

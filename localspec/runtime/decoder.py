@@ -104,7 +104,8 @@ class LeanDecoder:
     """Hidden states of a Llama-family model, computed with the given linear-layer kind.
 
     ``linear`` is "w8a8" (int8 weights, per-token int8 activations), "w4a8" / "w4a8-requant"
-    (Q4_K weights where there are some, see ``lean_weights``) or "dense" (the loaded dtype).
+    (Q4_K and Q6_K weights where there are some, see ``lean_weights``) or "dense" (the loaded
+    dtype).
     ``head`` computes logits; a runner asks it for the rows it needs.
     """
 
@@ -113,7 +114,7 @@ class LeanDecoder:
                  q4k_lib: object | None = None) -> None:
         """Take ``model``'s weights (quantizing them) or ``weights`` as ``export_weights``
         names them (then the model's own are never read); either way the model is emptied.
-        ``q4k_lib`` (``localspec.runtime.kernels.load_q4k``) runs layers stored in Q4_K."""
+        ``q4k_lib`` (``localspec.runtime.kernels.load_q4k``) runs layers stored in Q4_K or Q6_K."""
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the lean forward does not support {reason}")
