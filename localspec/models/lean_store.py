@@ -199,12 +199,12 @@ def lean_kind(spec: ModelSpec, progress: Progress) -> tuple[str, object | None]:
     if spec.quantization == "w8a8":
         return "w8a8", None
     if spec.quantization == "w4a8" and gguf_source(spec) is None:
-        reason = "it is not a GGUF model (no Q4_K matrices to keep)"
+        reason = "it is not a GGUF model (no Q4_K or Q6_K matrices to keep)"
     else:
         try:
             return spec.quantization, load_q4k(kernel_dir())
         except KernelUnavailable as exc:
-            reason = f"the Q4_K kernel is unavailable here: {exc}"
+            reason = f"the Q4_K / Q6_K kernels are unavailable here: {exc}"
     message = f"{spec.model}: {spec.quantization} served as w8a8 because {reason}"
     logger.warning(message)
     progress(message, 0.0)

@@ -233,8 +233,12 @@ class LMHead:
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The head's rows for token ids ``ids`` [n], float32 [n, hidden], as served (what a
         trained head's LM head starts from)."""
-        if self.linear == "q6k":
-            return unpack_q6k(self.tensors).dequantize()[ids]
+        if self.linear == "q6k":  # unpack only the 16-row blocks holding ids (all: ~1 GB float)
+            blocks, where = torch.unique(ids // 16, return_inverse=True)
+            count = self.tensors["d"].shape[0]
+            part = {name: self.tensors[name].view(count, -1, *self.tensors[name].shape[2:])[blocks]
+                    for name in ("qs", "qh", "sc", "d")}
+            return unpack_q6k(part).dequantize()[where * 16 + ids % 16]
         if self.linear == "w8a8":
             return self.tensors["q"][ids].float() * self.tensors["scale"][ids, None]
         return self.tensors["weight"][ids].float()
