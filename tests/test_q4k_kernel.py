@@ -22,6 +22,7 @@ from localspec.runtime.kernels import (
     KernelUnavailable,
     Q4KWeights,
     Q6KWeights,
+    RowAttention,
     cpu_flags,
     load_q4k,
     pack_q4k,
@@ -334,6 +335,81 @@ def test_avx2_variant_gives_the_same_bits(lib: ctypes.CDLL, tmp_path: Path) -> N
             wide = layer.from_weights(weights, bias, lib)(x)
             narrow = layer.from_weights(weights, bias, avx2)(x)
             assert torch.equal(wide, narrow), (layer.__name__, rows)
+    q, keys, values = _attention_inputs(12, 2, 128, capacity=256, n=9, seed=24)
+    for start in (0, 37, 200):
+        assert torch.equal(RowAttention(lib, 12, 2, 128, 0.088)(q, keys, values, start),
+                           RowAttention(avx2, 12, 2, 128, 0.088)(q, keys, values, start))
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def _attention_inputs(heads: int, kv_heads: int, d: int, capacity: int, n: int, seed: int,
+                      spread: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(heads, n, d, generator=generator) * spread
+    keys = torch.randn(kv_heads, capacity, d, generator=generator).bfloat16()
+    values = torch.randn(kv_heads, capacity, d, generator=generator).bfloat16()
+    return q, keys, values
+
+
+def _attention_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
+                         scale: float) -> torch.Tensor:
+    """Causal attention in float64 over the same bf16 keys and values: [n, heads * d]."""
+    heads, n, d = q.shape
+    shared = heads // keys.shape[0]
+    k = keys.double().repeat_interleave(shared, 0)[:, :start + n]
+    v = values.double().repeat_interleave(shared, 0)[:, :start + n]
+    scores = q.double() @ k.transpose(1, 2) * scale  # [heads, n, start + n]
+    visible = torch.arange(start + n)[None, :] <= torch.arange(start, start + n)[:, None]
+    weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    return (weights @ v).transpose(0, 1).reshape(n, heads * d)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "d"), [(12, 2, 128), (14, 2, 64), (4, 4, 32)])
+@pytest.mark.parametrize("spread", [1.0, 30.0], ids=["soft", "peaked"])
+def test_row_attention_matches_causal_attention(lib: ctypes.CDLL, heads: int, kv_heads: int,
+                                                d: int, spread: float) -> None:
+    """Each row attends over exactly the keys up to its own position (the Qwen2.5 1.5B's and
+    0.5B's shapes, and heads without sharing), with float32 error only; peaked scores put
+    most weights far below exp's range, which must give 0, never NaN."""
+    scale = d ** -0.5
+    q, keys, values = _attention_inputs(heads, kv_heads, d, capacity=320, n=21, seed=d,
+                                        spread=spread)
+    attention = RowAttention(lib, heads, kv_heads, d, scale)
+    for start in (0, 5, 16, 290):
+        out = attention(q, keys, values, start)
+        expected = _attention_reference(q, keys, values, start, scale)
+        assert torch.allclose(out.double(), expected, rtol=1e-4, atol=1e-5), start
+
+
+def test_row_attention_rows_do_not_depend_on_the_batch(lib: ctypes.CDLL) -> None:
+    """Row j of a call over n rows at ``start`` is bit for bit the one-row call at start + j,
+    with 1 or 2 threads, around the 16-key blocks the kernel works in: what keeps a verify
+    pass equal to one-token steps."""
+    q, keys, values = _attention_inputs(12, 2, 128, capacity=256, n=20, seed=3)
+    attention = RowAttention(lib, 12, 2, 128, 0.088)
+    for start in (0, 11, 31, 200):
+        rows = torch.cat([attention(q[:, j:j + 1], keys, values, start + j) for j in range(20)])
+        for threads in (1, 2):
+            previous = torch.get_num_threads()
+            torch.set_num_threads(threads)
+            try:
+                assert torch.equal(attention(q, keys, values, start), rows), (start, threads)
+            finally:
+                torch.set_num_threads(previous)
+
+
+def test_row_attention_refuses_what_it_cannot_take(lib: ctypes.CDLL) -> None:
+    """Positions past the cache are an error before the kernel could read past it; shapes
+    outside its limits are not ``fits``."""
+    q, keys, values = _attention_inputs(4, 2, 32, capacity=16, n=4, seed=1)
+    with pytest.raises(ValueError, match="cache holds 16"):
+        RowAttention(lib, 4, 2, 32, 0.2)(q, keys, values, start=13)
+    assert RowAttention.fits(12, 2, 128, torch.bfloat16)
+    assert not RowAttention.fits(12, 2, 128, torch.float32)  # the cache must be bf16
+    assert not RowAttention.fits(4, 2, 8, torch.bfloat16)  # head_dim % 32
+    assert not RowAttention.fits(40, 2, 64, torch.bfloat16)  # 20 heads share one
 
 
 # ----------------------------------------------------------------------------- Q6_K

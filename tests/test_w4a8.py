@@ -88,6 +88,33 @@ def test_w4a8_batch_equals_one_token_steps(lib: object, dtype: torch.dtype) -> N
                                steps[prefix:prefix + n]), (prefix, n)
 
 
+def test_w4a8_attention_kernel_keeps_passes_equal_to_steps(lib: object) -> None:
+    """With a bf16 cache and head_dim 32 (the tiny model above has 8) attention runs in the
+    native kernel: a pass still equals one-token steps bit for bit, a prompt longer than
+    ROW_ATTENTION_MAX (masked SDPA) stays close, and the logits are those of SDPA within
+    float error."""
+    config = tiny_config()
+    config.hidden_size, config.intermediate_size, config.num_attention_heads = 128, 128, 4
+    torch.manual_seed(5)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    runner = _runner(model, "w4a8-requant", lib, dtype=torch.bfloat16)
+    assert runner.decoder.row_attention is not None
+    tokens = _tokens(150, seed=4)
+    steps = torch.cat([runner.forward([t]) for t in tokens[:40]])
+    for prefix in (1, 17):
+        for n in (2, 9, 16):
+            runner.crop(prefix)
+            assert torch.equal(runner.forward(tokens[prefix:prefix + n]),
+                               steps[prefix:prefix + n]), (prefix, n)
+    runner.reset()
+    long_prompt = runner.forward(tokens)  # 150 rows: one masked SDPA call a layer
+    assert torch.allclose(long_prompt[:40], steps, atol=0.03 * steps.abs().max().item())
+    runner.decoder.row_attention = None  # the same weights, SDPA row by row
+    runner.reset()
+    sdpa = torch.cat([runner.forward([t]) for t in tokens[:40]])
+    assert torch.allclose(sdpa, steps, atol=0.03 * steps.abs().max().item())
+
+
 def test_w4a8_requant_follows_the_float_model(lib: object) -> None:
     """4-bit weights are coarser than int8 but must still be the same model (a packing or
     scale error would be far off): relative logit error and argmax agreement."""

@@ -31,6 +31,7 @@ import torch
 from torch.nn import functional as F
 from transformers import PreTrainedModel
 
+from localspec.runtime.kernels import RowAttention
 from localspec.runtime.lean_weights import (
     ROW_ATTENTION_MAX,
     Linear,
@@ -150,6 +151,10 @@ class LeanDecoder:
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.scaling = float(first.scaling)
+        self.row_attention = RowAttention(q4k_lib, self.heads, self.kv_heads, self.head_dim,
+                                          self.scaling) \
+            if q4k_lib is not None and RowAttention.fits(self.heads, self.kv_heads,
+                                                         self.head_dim, self.dtype) else None
         self.norm = weights["norm"]
         self.max_length = int(getattr(config, "max_position_embeddings", 0) or 0)
         self.intermediate = config.intermediate_size
@@ -220,9 +225,12 @@ class LeanDecoder:
             v = qkv[:, q_size + kv_size:].view(n, self.kv_heads, self.head_dim)
             cache.keys[i, :, start:end] = rope(k.transpose(0, 1))
             cache.values[i, :, start:end] = v.transpose(0, 1)
-            out = self._attend(rope(q).to(self.dtype), cache.keys[i], cache.values[i], start,
-                               mask)
-            x = x + layer.o(out.transpose(0, 1).reshape(n, q_size).float())
+            if self.row_attention is not None and mask is None:
+                out = self.row_attention(rope(q), cache.keys[i], cache.values[i], start)
+            else:
+                out = self._attend(rope(q).to(self.dtype), cache.keys[i], cache.values[i],
+                                   start, mask).transpose(0, 1).reshape(n, q_size).float()
+            x = x + layer.o(out)
             gate_up = layer.gate_up(self._rms(x, layer.norm2))
             hidden_mlp = F.silu(gate_up[:, :self.intermediate]) * gate_up[:, self.intermediate:]
             if layer.down_rotated:

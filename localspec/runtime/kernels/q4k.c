@@ -26,7 +26,10 @@
 #define PREFETCH 8
 #endif
 
-/* Per row m and group g: int8 inputs xq, their scale xs and scale * sum(xq) (for the mins). */
+/* Per row m and group g: int8 inputs xq, their scale xs and scale * sum(xq) (for the mins),
+ * stored group-major (xq [K/32][m_rows][32], xs and xsum [K/32][m_rows]): the rows a block
+ * takes for one group lie side by side, one base pointer and constant offsets (row-major, the
+ * compiler kept eight row pointers and spilled them: 8% slower from 8 rows on). */
 static void quantize_rows(const float *x, int64_t m_rows, int64_t k, int8_t *xq, float *xs,
                           float *xsum) {
     const int64_t groups = k / 32;
@@ -37,7 +40,7 @@ static void quantize_rows(const float *x, int64_t m_rows, int64_t k, int8_t *xq,
             for (int j = 0; j < 32; j++) amax = fabsf(src[j]) > amax ? fabsf(src[j]) : amax;
             float scale = amax / 127.0f;
             float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            int8_t *dst = xq + m * k + g * 32;
+            int8_t *dst = xq + (g * m_rows + m) * 32;
             int32_t total = 0;
             for (int j = 0; j < 32; j++) {
                 int32_t v = (int32_t)nearbyintf(src[j] * inv);
@@ -45,8 +48,8 @@ static void quantize_rows(const float *x, int64_t m_rows, int64_t k, int8_t *xq,
                 dst[j] = (int8_t)v;
                 total += v;
             }
-            xs[m * groups + g] = scale;
-            xsum[m * groups + g] = scale * (float)total;
+            xs[g * m_rows + m] = scale;
+            xsum[g * m_rows + m] = scale * (float)total;
         }
     }
 }
@@ -57,7 +60,7 @@ static void quantize_rows(const float *x, int64_t m_rows, int64_t k, int8_t *xq,
 static inline __attribute__((always_inline)) void block_rows(const uint8_t *qs, const uint8_t *sc, const uint8_t *mn,
                               const float *d, const float *dmin, const int8_t *xq,
                               const float *xs, const float *xsum, float *y, int64_t b,
-                              int64_t m0, int rows, int64_t n, int64_t k) {
+                              int64_t m0, int rows, int64_t n, int64_t k, int64_t m_rows) {
     const int64_t groups = k / 32, supers = (groups + 7) / 8;
     const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 out[ROWS_PER_PASS];
@@ -79,7 +82,7 @@ static inline __attribute__((always_inline)) void block_rows(const uint8_t *qs, 
             __m512i w0 = _mm512_and_si512(v, low);
             __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
             for (int r = 0; r < rows; r++) {
-                const int8_t *a = xq + (m0 + r) * k + g * 32 + 8 * i;
+                const int8_t *a = xq + (g * m_rows + m0 + r) * 32 + 8 * i;
                 __m512i a0 = _mm512_set1_epi32(*(const int32_t *)a);
                 __m512i a1 = _mm512_set1_epi32(*(const int32_t *)(a + 4));
                 acc[r] = _mm512_dpbusd_epi32(acc[r], w0, a0);
@@ -91,7 +94,7 @@ static inline __attribute__((always_inline)) void block_rows(const uint8_t *qs, 
         __m512 vmn = _mm512_mul_ps(
             vdmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const void *)(wmn + g * 16)))));
         for (int r = 0; r < rows; r++) {
-            int64_t at = (m0 + r) * groups + g;
+            int64_t at = g * m_rows + m0 + r;
             __m512 s = _mm512_mul_ps(vsc, _mm512_set1_ps(xs[at]));
             out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), s, out[r]);
             out[r] = _mm512_fnmadd_ps(vmn, _mm512_set1_ps(xsum[at]), out[r]);
@@ -110,7 +113,7 @@ static inline __attribute__((always_inline)) void block_rows(const uint8_t *qs, 
 static inline __attribute__((always_inline)) void block_rows(
         const uint8_t *qs, const uint8_t *sc, const uint8_t *mn, const float *d,
         const float *dmin, const int8_t *xq, const float *xs, const float *xsum, float *y,
-        int64_t b, int64_t m0, int rows, int64_t n, int64_t k) {
+        int64_t b, int64_t m0, int rows, int64_t n, int64_t k, int64_t m_rows) {
     const int64_t groups = k / 32, supers = (groups + 7) / 8;
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     for (int h = 0; h < 2; h++) {
@@ -133,7 +136,7 @@ static inline __attribute__((always_inline)) void block_rows(
                 __m256i w0 = _mm256_and_si256(v, low);
                 __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
                 for (int r = 0; r < rows; r++) {
-                    const int8_t *a = xq + (m0 + r) * k + g * 32 + 8 * i;
+                    const int8_t *a = xq + (g * m_rows + m0 + r) * 32 + 8 * i;
                     __m256i a0 = _mm256_set1_epi32(*(const int32_t *)a);
                     __m256i a1 = _mm256_set1_epi32(*(const int32_t *)(a + 4));
                     acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(
@@ -147,7 +150,7 @@ static inline __attribute__((always_inline)) void block_rows(
             __m256 vmn = _mm256_mul_ps(vdmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
                 _mm_loadl_epi64((const void *)(wmn + g * 16)))));
             for (int r = 0; r < rows; r++) {
-                int64_t at = (m0 + r) * groups + g;
+                int64_t at = g * m_rows + m0 + r;
                 __m256 s = _mm256_mul_ps(vsc, _mm256_set1_ps(xs[at]));
                 out[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), s, out[r]);
                 out[r] = _mm256_fnmadd_ps(vmn, _mm256_set1_ps(xsum[at]), out[r]);
@@ -172,7 +175,7 @@ static inline __attribute__((always_inline)) void block_rows(
 static inline __attribute__((always_inline)) void q6_block_rows(
         const uint8_t *qs, const uint8_t *qh, const int8_t *sc, const float *d,
         const int8_t *xq, const float *xs, const int32_t *xsum16, float *y, int64_t b,
-        int64_t m0, int rows, int64_t n, int64_t k) {
+        int64_t m0, int rows, int64_t n, int64_t k, int64_t m_rows) {
     const int64_t groups = k / 32, supers = (groups + 7) / 8;
     const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
     __m512 out[ROWS_PER_PASS];
@@ -196,7 +199,7 @@ static inline __attribute__((always_inline)) void q6_block_rows(
                 __m512i w1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low),
                                              _mm512_and_si512(Q6_TOP(hv, 4 * ii + 2), top));
                 for (int r = 0; r < rows; r++) {
-                    const int8_t *a = xq + (m0 + r) * k + g * 32 + 8 * i;
+                    const int8_t *a = xq + (g * m_rows + m0 + r) * 32 + 8 * i;
                     acc[r] = _mm512_dpbusd_epi32(acc[r], w0, _mm512_set1_epi32(*(const int32_t *)a));
                     acc[r] = _mm512_dpbusd_epi32(acc[r], w1, _mm512_set1_epi32(*(const int32_t *)(a + 4)));
                 }
@@ -204,7 +207,7 @@ static inline __attribute__((always_inline)) void q6_block_rows(
             __m512 vsc = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                 _mm_loadu_si128((const void *)(wsc + (2 * g + t) * 16)))));
             for (int r = 0; r < rows; r++) {
-                int64_t at = (m0 + r) * groups + g;
+                int64_t at = g * m_rows + m0 + r;
                 __m512i exact = _mm512_sub_epi32(acc[r], _mm512_set1_epi32(32 * xsum16[2 * at + t]));
                 out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact),
                                          _mm512_mul_ps(vsc, _mm512_set1_ps(xs[at])), out[r]);
@@ -219,7 +222,7 @@ static inline __attribute__((always_inline)) void q6_block_rows(
 static inline __attribute__((always_inline)) void q6_block_rows(
         const uint8_t *qs, const uint8_t *qh, const int8_t *sc, const float *d,
         const int8_t *xq, const float *xs, const int32_t *xsum16, float *y, int64_t b,
-        int64_t m0, int rows, int64_t n, int64_t k) {
+        int64_t m0, int rows, int64_t n, int64_t k, int64_t m_rows) {
     const int64_t groups = k / 32, supers = (groups + 7) / 8;
     const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
     const __m256i ones = _mm256_set1_epi16(1);
@@ -246,7 +249,7 @@ static inline __attribute__((always_inline)) void q6_block_rows(
                     __m256i w1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
                                                  _mm256_and_si256(Q6_TOP(hv, 4 * ii + 2), top));
                     for (int r = 0; r < rows; r++) {
-                        const int8_t *a = xq + (m0 + r) * k + g * 32 + 8 * i;
+                        const int8_t *a = xq + (g * m_rows + m0 + r) * 32 + 8 * i;
                         acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(
                             w0, _mm256_set1_epi32(*(const int32_t *)a)), ones));
                         acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(
@@ -256,7 +259,7 @@ static inline __attribute__((always_inline)) void q6_block_rows(
                 __m256 vsc = _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
                     _mm_loadl_epi64((const void *)(wsc + (2 * g + t) * 16)))));
                 for (int r = 0; r < rows; r++) {
-                    int64_t at = (m0 + r) * groups + g;
+                    int64_t at = g * m_rows + m0 + r;
                     __m256i exact = _mm256_sub_epi32(acc[r], _mm256_set1_epi32(32 * xsum16[2 * at + t]));
                     out[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact),
                                              _mm256_mul_ps(vsc, _mm256_set1_ps(xs[at])), out[r]);
@@ -319,7 +322,7 @@ int q4k_linear(const float *x, int64_t m_rows, int64_t k, const uint8_t *qs, con
     Scratch s;
     int ok = scratch_make(&s, x, m_rows, k, 0) == 0;
     if (ok) {
-#define Q4(R) case R: block_rows(qs, sc, mn, d, dmin, s.xq, s.xs, s.xsum, y, b, m0, R, n, k); break;
+#define Q4(R) case R: block_rows(qs, sc, mn, d, dmin, s.xq, s.xs, s.xsum, y, b, m0, R, n, k, m_rows); break;
         FOR_BLOCKS(Q4)
 #undef Q4
     }
@@ -333,10 +336,182 @@ int q6k_linear(const float *x, int64_t m_rows, int64_t k, const uint8_t *qs, con
     Scratch s;
     int ok = scratch_make(&s, x, m_rows, k, 1) == 0;
     if (ok) {
-#define Q6(R) case R: q6_block_rows(qs, qh, sc, d, s.xq, s.xs, s.xsum16, y, b, m0, R, n, k); break;
+#define Q6(R) case R: q6_block_rows(qs, qh, sc, d, s.xq, s.xs, s.xsum16, y, b, m0, R, n, k, m_rows); break;
         FOR_BLOCKS(Q6)
 #undef Q6
     }
     scratch_free(&s);
     return ok ? 0 : -1;
+}
+
+/* Attention of n new query rows over a bfloat16 KV cache, one call for all rows and heads.
+ *
+ * Row j (position start + j) of head h attends over keys 0..start + j of its key-value head
+ * h / (heads / kv_heads), and every row is computed by the same code in the same order,
+ * whatever n is: so a verify pass gives each token the bits a one-token step gives it (a
+ * batched, masked attention sums rows of another length, which rounds differently). The
+ * vectors are GCC's 16-float vector type: zmm registers with AVX-512, pairs of ymm with AVX2,
+ * the same lane operations and the same fixed reduction trees either way.
+ * A task is one row and one key-value head: each block of 16 keys (and of values) is widened
+ * to float32 once for the query heads that share it.
+ *   q [heads][n][d] float32 (RoPE applied), keys and values [kv_heads][capacity][d] bf16,
+ *   out [n][heads][d] float32; d % 32 == 0, d <= MAX_HEAD_DIM, heads / kv_heads <= MAX_SHARED.
+ * Returns 0, -1 when memory could not be had, -2 for a shape it does not take. */
+#define MAX_HEAD_DIM 256
+#define MAX_SHARED 16
+typedef float f32x16 __attribute__((vector_size(64), aligned(4)));
+typedef int32_t i32x16 __attribute__((vector_size(64), aligned(4)));
+typedef uint32_t u32x16 __attribute__((vector_size(64), aligned(4)));
+
+/* 32 bf16 values widened to float32 without a shuffle: the even-numbered ones to dst[0..15],
+ * the odd-numbered ones to dst[16..31]. Queries and outputs take the same order. */
+static inline void widen32(const uint16_t *src, float *dst) {
+    const u32x16 pairs = *(const u32x16 *)src;
+    *(f32x16 *)dst = (f32x16)(pairs << 16);
+    *(f32x16 *)(dst + 16) = (f32x16)(pairs & 0xFFFF0000u);
+}
+
+/* Lane i of the result: the sum of the 16 lanes of v[i], in the tree of sum16 below. */
+static inline __attribute__((always_inline)) f32x16 sum16x16(const f32x16 *v) {
+    f32x16 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++)  /* lanes 0..7: v[2i] halves added; 8..15: v[2i + 1]'s */
+        a[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], (i32x16){0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}) +
+               __builtin_shuffle(v[2 * i], v[2 * i + 1], (i32x16){8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
+    for (int i = 0; i < 4; i++)
+        b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], (i32x16){0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27}) +
+               __builtin_shuffle(a[2 * i], a[2 * i + 1], (i32x16){4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31});
+    for (int i = 0; i < 2; i++)
+        c[i] = __builtin_shuffle(b[2 * i], b[2 * i + 1], (i32x16){0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29}) +
+               __builtin_shuffle(b[2 * i], b[2 * i + 1], (i32x16){2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31});
+    return __builtin_shuffle(c[0], c[1], (i32x16){0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}) +
+           __builtin_shuffle(c[0], c[1], (i32x16){1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31});
+}
+
+static inline float sum16(f32x16 v) {  /* the same tree, one vector */
+    float h8[8], h4[4];
+    for (int i = 0; i < 8; i++) h8[i] = v[i] + v[i + 8];
+    for (int i = 0; i < 4; i++) h4[i] = h8[i] + h8[i + 4];
+    return (h4[0] + h4[2]) + (h4[1] + h4[3]);
+}
+
+/* exp(x) for x <= 0 (scores minus their maximum): 2^n * p(r), Cephes' polynomial; below
+ * -87 it is flushed to 0. */
+static inline __attribute__((always_inline)) f32x16 exp16(f32x16 x) {
+    const f32x16 magic = (f32x16){} + 12582912.0f;  /* 1.5 * 2^23: rounds to an integer */
+    f32x16 low = (f32x16){} - 87.0f;
+    i32x16 dead = x < low;
+    x = (f32x16)(((i32x16)low & dead) | ((i32x16)x & ~dead));
+    f32x16 n = (x * 1.44269504088896341f + magic) - magic;
+    f32x16 r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    f32x16 p = (f32x16){} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    i32x16 e = (__builtin_convertvector(n, i32x16) + 127) << 23;
+    f32x16 y = p * (f32x16)e;
+    return (f32x16)((i32x16)y & ~dead);
+}
+
+/* Scores of 16 keys (widened in ``wide`` [16][d]) for one query row: 16 accumulators that
+ * stay in registers, reduced together. */
+static inline __attribute__((always_inline)) f32x16 scores16(const float *qv, const float *wide, int64_t d) {
+    f32x16 acc[16];
+    for (int t = 0; t < 16; t++) acc[t] = (f32x16){};
+    for (int64_t c = 0; c < d; c += 16) {
+        const f32x16 qc = *(const f32x16 *)(qv + c);
+        for (int t = 0; t < 16; t++) acc[t] += qc * *(const f32x16 *)(wide + t * d + c);
+    }
+    return sum16x16(acc);
+}
+
+int attend_rows(const float *q, const uint16_t *keys, const uint16_t *values, int64_t capacity,
+                int64_t start, int64_t n, int64_t heads, int64_t kv_heads, int64_t d,
+                float scale, float *out, int threads) {
+    const int64_t shared = heads / kv_heads;
+    if (d % 32 || d > MAX_HEAD_DIM || heads % kv_heads || shared > MAX_SHARED) return -2;
+    const int64_t stride = (start + n + 15) / 16 * 16;  /* one head's scores, padded */
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        float *p = malloc(sizeof(float) * (size_t)(stride * shared));
+        float *wide = malloc(sizeof(float) * (size_t)(16 * d));  /* 16 keys or values */
+        float *qs = malloc(sizeof(float) * (size_t)(shared * d));  /* queries, in widen32's order */
+        if (!p || !wide || !qs) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < kv_heads * n; task++) {
+            if (!p || !wide || !qs) continue;
+            const int64_t kv = task / n, j = task % n, len = start + j + 1;
+            const uint16_t *kb = keys + kv * capacity * d, *vb = values + kv * capacity * d;
+            float *o = out + (j * heads + kv * shared) * d;   /* [shared][d] of this row */
+            for (int64_t hh = 0; hh < shared; hh++) {
+                const float *qh = q + ((kv * shared + hh) * n + j) * d;
+                for (int64_t c = 0; c < d; c += 32)
+                    for (int i = 0; i < 16; i++) {
+                        qs[hh * d + c + i] = qh[c + 2 * i];
+                        qs[hh * d + c + 16 + i] = qh[c + 2 * i + 1];
+                    }
+            }
+            /* scores, 16 keys at a time; a last partial block is padded with zero keys */
+            for (int64_t t0 = 0; t0 < len; t0 += 16) {
+                for (int64_t t = 0; t < 16; t++)
+                    for (int64_t c = 0; c < d; c += 32) {
+                        if (t0 + t < len) widen32(kb + (t0 + t) * d + c, wide + t * d + c);
+                        else *(f32x16 *)(wide + t * d + c) = *(f32x16 *)(wide + t * d + c + 16) = (f32x16){};
+                    }
+                for (int64_t hh = 0; hh < shared; hh++)
+                    *(f32x16 *)(p + hh * stride + t0) = scores16(qs + hh * d, wide, d) * scale;
+            }
+            /* softmax weights in place, zero past len; the sums */
+            float total[MAX_SHARED];
+            for (int64_t hh = 0; hh < shared; hh++) {
+                float *ph = p + hh * stride;
+                float top = -INFINITY;
+                for (int64_t t = 0; t < len; t++) top = ph[t] > top ? ph[t] : top;
+                f32x16 sum = {};
+                for (int64_t t0 = 0; t0 < len; t0 += 16) {
+                    f32x16 e = exp16(*(f32x16 *)(ph + t0) - top);
+                    for (int64_t t = len - t0; t < 16; t++) e[t] = 0.0f;
+                    *(f32x16 *)(ph + t0) = e;
+                    sum += e;
+                }
+                total[hh] = sum16(sum);
+                for (int64_t c = 0; c < d; c += 16) *(f32x16 *)(o + hh * d + c) = (f32x16){};
+            }
+            /* the weighted values, key by key in order, 16 values widened at a time */
+            for (int64_t t0 = 0; t0 < len; t0 += 16) {
+                const int64_t block = len - t0 < 16 ? len - t0 : 16;
+                for (int64_t t = 0; t < block; t++)
+                    for (int64_t c = 0; c < d; c += 32) widen32(vb + (t0 + t) * d + c, wide + t * d + c);
+                for (int64_t hh = 0; hh < shared; hh++) {
+                    const float *ph = p + hh * stride + t0;
+                    for (int64_t c = 0; c < d; c += 16) {
+                        f32x16 acc = *(f32x16 *)(o + hh * d + c);
+                        for (int64_t t = 0; t < block; t++)
+                            acc += ph[t] * *(const f32x16 *)(wide + t * d + c);
+                        *(f32x16 *)(o + hh * d + c) = acc;
+                    }
+                }
+            }
+            for (int64_t hh = 0; hh < shared; hh++)  /* back to the natural order */
+                for (int64_t c = 0; c < d; c += 32) {
+                    const f32x16 even = *(f32x16 *)(o + hh * d + c) / total[hh];
+                    const f32x16 odd = *(f32x16 *)(o + hh * d + c + 16) / total[hh];
+                    for (int i = 0; i < 16; i++) {
+                        o[hh * d + c + 2 * i] = even[i];
+                        o[hh * d + c + 2 * i + 1] = odd[i];
+                    }
+                }
+        }
+        free(p);
+        free(wide);
+        free(qs);
+    }
+    return failed ? -1 : 0;
 }
