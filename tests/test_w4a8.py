@@ -88,31 +88,41 @@ def test_w4a8_batch_equals_one_token_steps(lib: object, dtype: torch.dtype) -> N
                                steps[prefix:prefix + n]), (prefix, n)
 
 
-def test_w4a8_attention_kernel_keeps_passes_equal_to_steps(lib: object) -> None:
-    """With a bf16 cache and head_dim 32 (the tiny model above has 8) attention runs in the
-    native kernel: a pass still equals one-token steps bit for bit, a prompt longer than
-    ROW_ATTENTION_MAX (masked SDPA) stays close, and the logits are those of SDPA within
-    float error."""
+def test_w4a8_native_stack_keeps_passes_equal_to_steps(lib: object) -> None:
+    """With a bf16 cache and head_dim 32 (the tiny model above has 8) every layer runs in one
+    native call: a pass still equals one-token steps bit for bit, EAGLE features included,
+    and the logits are those of the tensor-call loop (with the attention kernel, or SDPA)
+    within float error; a prompt longer than ROW_ATTENTION_MAX (the loop, masked SDPA) too."""
     config = tiny_config()
     config.hidden_size, config.intermediate_size, config.num_attention_heads = 128, 128, 4
     torch.manual_seed(5)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     runner = _runner(model, "w4a8-requant", lib, dtype=torch.bfloat16)
-    assert runner.decoder.row_attention is not None
+    decoder = runner.decoder
+    assert decoder.native is not None and decoder.row_attention is not None
     tokens = _tokens(150, seed=4)
+    runner.record_features((0, 1, 2))
     steps = torch.cat([runner.forward([t]) for t in tokens[:40]])
+    features = runner.features(0, 40).clone()
     for prefix in (1, 17):
         for n in (2, 9, 16):
             runner.crop(prefix)
             assert torch.equal(runner.forward(tokens[prefix:prefix + n]),
                                steps[prefix:prefix + n]), (prefix, n)
+            assert torch.equal(runner.features(prefix, prefix + n),
+                               features[prefix:prefix + n]), (prefix, n)
+    tolerance = 0.03 * steps.abs().max().item()
     runner.reset()
-    long_prompt = runner.forward(tokens)  # 150 rows: one masked SDPA call a layer
-    assert torch.allclose(long_prompt[:40], steps, atol=0.03 * steps.abs().max().item())
-    runner.decoder.row_attention = None  # the same weights, SDPA row by row
-    runner.reset()
-    sdpa = torch.cat([runner.forward([t]) for t in tokens[:40]])
-    assert torch.allclose(sdpa, steps, atol=0.03 * steps.abs().max().item())
+    long_prompt = runner.forward(tokens)  # 150 rows: the loop, one masked SDPA call a layer
+    assert torch.allclose(long_prompt[:40], steps, atol=tolerance)
+    decoder.native = None
+    for attention in (decoder.row_attention, None):
+        decoder.row_attention = attention
+        runner.reset()
+        loop = torch.cat([runner.forward([t]) for t in tokens[:40]])
+        assert torch.allclose(loop, steps, atol=tolerance)
+        assert torch.allclose(runner.features(0, 40), features, atol=0.03 * features.abs().max())
+        assert (loop.argmax(-1) == steps.argmax(-1)).float().mean() > 0.9
 
 
 def test_w4a8_requant_follows_the_float_model(lib: object) -> None:

@@ -6,9 +6,11 @@ bfloat16 (3 GB read per token of the 1.5B). Here each layer is seven tensor call
 q/k/v and fused gate/up projections in int8 (``W8A8Linear``) or in a GGUF's own Q4_K and Q6_K
 (``Q4KLinear``, ``Q6KLinear``: native kernels; formats in ``lean_weights``), RoPE from the
 model's own rotary module (so every ``rope_scaling`` transformers knows is honoured), the new
-keys and values written in place into a static cache, and PyTorch's SDPA with grouped-query
-heads. Rolling the cache back is a length change: stale positions are simply overwritten by the
-next pass.
+keys and values written in place into a static cache, and attention (the native kernel
+``RowAttention`` over a bf16 cache, else PyTorch's SDPA with grouped-query heads). Rolling the
+cache back is a length change: stale positions are simply overwritten by the next pass. Where
+every layer is Q4_K / Q6_K, all of this runs in one native call instead (``native.py``), except
+for prompts longer than ROW_ATTENTION_MAX.
 
 In int8, the down projection's input (SiLU(gate) * up: heavy-tailed, a few channels far
 larger than the rest) is first turned by a block Hadamard rotation, and the weight by the same
@@ -41,6 +43,7 @@ from localspec.runtime.lean_weights import (
     release_weights,
     rotate,
 )
+from localspec.runtime.native import NativeStack
 from localspec.runtime.quant import W8A8Linear
 
 LEAN_MODEL_TYPES = ("llama", "qwen2")
@@ -158,6 +161,10 @@ class LeanDecoder:
         self.norm = weights["norm"]
         self.max_length = int(getattr(config, "max_position_embeddings", 0) or 0)
         self.intermediate = config.intermediate_size
+        # every layer in one native call where all of them are Q4_K / Q6_K (see native.py)
+        self.native = None if q4k_lib is None else NativeStack.build(
+            q4k_lib, self.layers, config.hidden_size, self.heads, self.kv_heads, self.head_dim,
+            self.intermediate, self.eps, self.scaling, self.dtype)
         self.head = LMHead({key.removeprefix("head."): tensor for key, tensor in weights.items()
                             if key.startswith("head.")}, q4k_lib)
         release_weights(model)
@@ -204,10 +211,33 @@ class LeanDecoder:
         positions = torch.arange(start, end).unsqueeze(0)
         cos, sin = self.rotary(x, positions)
         cos, sin = cos[0].float(), sin[0].float()  # [n, head_dim]
+        entering: dict[int, torch.Tensor] = {}
+        if self.native is not None and n <= ROW_ATTENTION_MAX:
+            x = x.contiguous()  # rewritten in place by every layer
+            inner = [i for i in layers if i < len(self.layers)]
+            features = self.native(x, cos, sin, cache.keys, cache.values, start, inner)
+            width = x.shape[1]
+            entering = {i: features[:, slot * width:(slot + 1) * width]  # type: ignore[index]
+                        for slot, i in enumerate(inner)}
+        else:
+            x = self._layers(x, cos, sin, cache, start, layers, entering)
+        hidden = self._rms(x, self.norm)
+        if not layers:
+            return hidden, None
+        entering[len(self.layers)] = hidden
+        return hidden, torch.cat([entering[i] for i in layers], dim=-1)
+
+    def _layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+                start: int, layers: tuple[int, ...], entering: dict[int, torch.Tensor]
+                ) -> torch.Tensor:
+        """The layers in tensor calls (int8 or dense layers, long prompts); the output before
+        the final norm. ``entering`` receives the inputs of ``layers``."""
+        n = x.shape[0]
+        end = start + n
         half = self.head_dim // 2
         mask = None
         if n > ROW_ATTENTION_MAX:  # a long prompt: one masked call, query i sees keys 0..start+i
-            mask = torch.arange(end).unsqueeze(0) <= positions.T
+            mask = torch.arange(end).unsqueeze(0) <= torch.arange(start, end).unsqueeze(1)
         q_size = self.heads * self.head_dim
         kv_size = self.kv_heads * self.head_dim
 
@@ -215,7 +245,6 @@ class LeanDecoder:
             rotated = torch.cat((-t[..., half:], t[..., :half]), dim=-1)
             return t * cos + rotated * sin
 
-        entering: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             if i in layers:
                 entering[i] = x  # x is rebound below, never written in place
@@ -236,8 +265,4 @@ class LeanDecoder:
             if layer.down_rotated:
                 hidden_mlp = rotate(hidden_mlp, self.down_rotation)
             x = x + layer.down(hidden_mlp)
-        hidden = self._rms(x, self.norm)
-        if not layers:
-            return hidden, None
-        entering[len(self.layers)] = hidden
-        return hidden, torch.cat([entering[i] for i in layers], dim=-1)
+        return x

@@ -9,7 +9,10 @@ one, which ruins verification, and torchao's W4A8 CPU kernels are not in its PyP
 VNNI (or AVX2 on CPUs without AVX-512, with the same bits), flat up to several rows and
 bit-identical whatever the number of rows (see the C file); it does the same for the file's
 Q6_K matrices (the LM head, half the v and down projections of a Q4_K_M file), which int8
-would read at 8 bits instead of 6.6.
+would read at 8 bits instead of 6.6. The same file holds the attention of new rows over a bf16
+KV cache (``RowAttention``) and the whole decoder stack in one call (``lean_forward``, used by
+``localspec.runtime.native``): once the matrices were fast, the tensor calls between them were
+a sixth of a step.
 
 The library is compiled once per source and flags into the LocalSpec cache (``kernels/``);
 where there is no compiler or neither AVX-512 VNNI nor AVX2, ``load_q4k`` says why and
@@ -128,7 +131,12 @@ def load_q4k(cache_dir: Path, variant: str | None = None) -> ctypes.CDLL:
                                ctypes.c_int]
     lib.q6k_linear.argtypes = [pointer, size, size, *[pointer] * len(Q6K_PACKED), size, pointer,
                                ctypes.c_int]
-    lib.attend_rows.restype = ctypes.c_int
+    lib.attend_rows.restype = lib.lean_forward.restype = ctypes.c_int
+    # layers, count, x, n, hidden, heads, kv_heads, head_dim, intermediate, eps, scale, cos,
+    # sin, keys, values, capacity, start, features, feature layers, their count, threads
+    lib.lean_forward.argtypes = [pointer, size, pointer, *[size] * 6, ctypes.c_float,
+                                 ctypes.c_float, *[pointer] * 4, size, size, pointer, pointer,
+                                 size, ctypes.c_int]
     # q, keys, values, capacity, start, n, heads, kv_heads, head_dim, scale, out, threads
     lib.attend_rows.argtypes = [pointer, pointer, pointer, *[size] * 5, size, ctypes.c_float,
                                 pointer, ctypes.c_int]

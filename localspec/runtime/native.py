@@ -1,0 +1,126 @@
+"""The whole decoder stack in one native call (``lean_forward`` in ``kernels/q4k.c``).
+
+Why: with the weights in the Q4_K / Q6_K kernels, what is left of a step in Python is the glue
+between them: about 35 tensor calls a layer (norms, RoPE, cache writes, attention, SwiGLU,
+residual adds), each a few microseconds of dispatch for a few thousand numbers. That was about
+9 ms of a 1.5B one-token step (60 ms), 20 ms of a 16-token verify pass, and more of a 0.5B
+draft's step. The C function does the same work row by row in a fixed order, so a verify pass
+stays bit-identical to one-token steps (tests check it), as the Python loop's per-row
+attention made it.
+
+``NativeStack.build`` returns None for a decoder it cannot run (a layer in int8 or dense, a
+float32 cache, a shape the attention kernel does not take): the Python loop serves those.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+
+import torch
+
+from localspec.runtime.kernels import RowAttention
+from localspec.runtime.lean_weights import ConcatLinear, Linear
+from localspec.runtime.quant import Q4KLinear, Q6KLinear
+
+MAX_PARTS = 4  # q4k.c's MAX_PARTS: linear layers side by side in one fused projection
+_pointer, _size = ctypes.c_void_p, ctypes.c_int64
+
+
+class _Part(ctypes.Structure):
+    _fields_ = [("kind", _size), ("n", _size), ("t", _pointer * 5), ("bias", _pointer)]
+
+
+class _Fused(ctypes.Structure):
+    _fields_ = [("parts", _size), ("part", _Part * MAX_PARTS)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("norm1", _pointer), ("norm2", _pointer), ("qkv", _Fused), ("o", _Fused),
+                ("gate_up", _Fused), ("down", _Fused)]
+
+
+def _fused(linear: Linear, width: int) -> _Fused | None:
+    """The C description of a projection from ``width`` inputs (None: not all Q4_K / Q6_K)."""
+    parts = linear.parts if isinstance(linear, ConcatLinear) else [linear]
+    if len(parts) > MAX_PARTS:
+        return None
+    fused = _Fused(parts=len(parts))
+    for slot, part in zip(fused.part, parts, strict=False):
+        if not isinstance(part, Q4KLinear) or part.in_features != width:  # Q6KLinear is one
+            return None
+        slot.kind = 6 if isinstance(part, Q6KLinear) else 4
+        slot.n = part.out_features
+        for i, name in enumerate(part.PACKED):
+            slot.t[i] = part.packed[name].data_ptr()
+        slot.bias = None if part.bias is None else part.bias.data_ptr()
+    return fused
+
+
+class NativeStack:
+    """``LeanDecoder``'s layers as ``lean_forward`` takes them; the tensors stay owned by the
+    decoder's layers (and the norms kept here), so they outlive every call."""
+
+    def __init__(self, lib: ctypes.CDLL, layers: ctypes.Array, norms: list[torch.Tensor],
+                 shape: tuple[int, int, int, int, int], eps: float, scale: float) -> None:
+        self._run = lib.lean_forward
+        self._layers, self._norms = layers, norms
+        self.hidden, self.heads, self.kv_heads, self.head_dim, self.intermediate = shape
+        self.eps, self.scale = eps, scale
+
+    @classmethod
+    def build(cls, lib: ctypes.CDLL, layers: Sequence[object], hidden: int, heads: int,
+              kv_heads: int, head_dim: int, intermediate: int, eps: float, scale: float,
+              cache_dtype: torch.dtype) -> NativeStack | None:
+        """For ``LeanDecoder`` layers (its ``_Layer``s); None when the C stack cannot run them."""
+        if (not RowAttention.fits(heads, kv_heads, head_dim, cache_dtype)
+                or hidden % 16 or intermediate % 16):
+            return None
+        array = (_Layer * len(layers))()
+        norms: list[torch.Tensor] = []
+        q_size = heads * head_dim
+        for slot, layer in zip(array, layers, strict=True):
+            if getattr(layer, "down_rotated", False):
+                return None
+            projections = [_fused(layer.qkv, hidden), _fused(layer.o, q_size),  # type: ignore[attr-defined]
+                           _fused(layer.gate_up, hidden),  # type: ignore[attr-defined]
+                           _fused(layer.down, intermediate)]  # type: ignore[attr-defined]
+            if any(p is None for p in projections):
+                return None
+            widths = [sum(p.part[i].n for i in range(p.parts)) for p in projections]  # type: ignore[union-attr]
+            if widths != [q_size + 2 * kv_heads * head_dim, hidden, 2 * intermediate, hidden]:
+                return None
+            slot.qkv, slot.o, slot.gate_up, slot.down = projections
+            for name in ("norm1", "norm2"):
+                norm = getattr(layer, name).float().contiguous()
+                norms.append(norm)
+                setattr(slot, name, norm.data_ptr())
+        return cls(lib, array, norms, (hidden, heads, kv_heads, head_dim, intermediate), eps,
+                   scale)
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 keys: torch.Tensor, values: torch.Tensor, start: int,
+                 feature_layers: Sequence[int] = ()) -> torch.Tensor | None:
+        """Run every layer over x [n, hidden] float32 (in place: the last layer's output,
+        before the final norm) at positions start..; keys and values are the cache's
+        [layers, kv_heads, capacity, head_dim] bf16 tensors. Returns the hidden states entering
+        ``feature_layers`` (each < the number of layers) as [n, len * hidden], or None."""
+        n = x.shape[0]
+        if not (x.dtype == torch.float32 and x.is_contiguous() and keys.is_contiguous()
+                and values.is_contiguous()) or start + n > keys.shape[2]:
+            raise ValueError("lean_forward needs contiguous float32 rows and room in the cache")
+        cos, sin = cos.float().contiguous(), sin.float().contiguous()
+        count = len(feature_layers)
+        features = torch.empty(n, count * self.hidden) if count else None
+        wanted = (_size * max(count, 1))(*feature_layers)
+        status = self._run(
+            self._layers, len(self._layers), x.data_ptr(), n, self.hidden, self.heads,
+            self.kv_heads, self.head_dim, self.intermediate, self.eps, self.scale,
+            cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[2],
+            start, None if features is None else features.data_ptr(), wanted, count,
+            torch.get_num_threads())
+        if status == -1:
+            raise MemoryError("the native decoder stack could not allocate its scratch memory")
+        if status:
+            raise ValueError(f"the native decoder stack refused its shapes ({status})")
+        return features
