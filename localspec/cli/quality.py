@@ -41,12 +41,15 @@ from localspec.config import Preset, unquantized_target
 from localspec.errors import ConfigError, InputFileError, PresetError
 from localspec.pipeline import Pipeline
 from localspec.presets import load_preset
+from localspec.runtime.lean_weights import ROW_ATTENTION_MAX
 from localspec.runtime.runner import ModelRunner
 
 AGREEMENT_GOAL = 0.97  # top-1 agreement, at least
 PERPLEXITY_INCREASE_GOAL_PCT = 1.0  # perplexity above the reference's, at most
 MAX_TOKENS_LIMIT = 1_000_000
-CHUNK_TOKENS = 256  # tokens per forward: bounds the [chunk, vocab] logits (150 MB for Qwen)
+# tokens per forward: bounds the [chunk, vocab] logits (78 MB for Qwen), and at most
+# ROW_ATTENTION_MAX so that a lean target runs the path decoding runs (the native stack)
+CHUNK_TOKENS = ROW_ATTENTION_MAX
 BUILTIN_TEXTS = ("python_textwrap.py.txt", "prose_python_docs.txt")
 
 Loader = Callable[..., Pipeline]  # load_pipeline(preset, need_draft=False)
