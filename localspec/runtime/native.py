@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -69,7 +70,7 @@ class NativeStack:
         self.eps, self.scale = eps, scale
 
     @classmethod
-    def build(cls, lib: ctypes.CDLL, layers: Sequence[object], hidden: int, heads: int,
+    def build(cls, lib: ctypes.CDLL, layers: Sequence[Any], hidden: int, heads: int,
               kv_heads: int, head_dim: int, intermediate: int, eps: float, scale: float,
               cache_dtype: torch.dtype) -> NativeStack | None:
         """For ``LeanDecoder`` layers (its ``_Layer``s); None when the C stack cannot run them."""
@@ -80,14 +81,12 @@ class NativeStack:
         norms: list[torch.Tensor] = []
         q_size = heads * head_dim
         for slot, layer in zip(array, layers, strict=True):
-            if getattr(layer, "down_rotated", False):
+            if layer.down_rotated:
                 return None
-            projections = [_fused(layer.qkv, hidden), _fused(layer.o, q_size),  # type: ignore[attr-defined]
-                           _fused(layer.gate_up, hidden),  # type: ignore[attr-defined]
-                           _fused(layer.down, intermediate)]  # type: ignore[attr-defined]
-            if any(p is None for p in projections):
-                return None
-            widths = [sum(p.part[i].n for i in range(p.parts)) for p in projections]  # type: ignore[union-attr]
+            projections = [_fused(layer.qkv, hidden), _fused(layer.o, q_size),
+                           _fused(layer.gate_up, hidden), _fused(layer.down, intermediate)]
+            widths = [None if p is None else sum(p.part[i].n for i in range(p.parts))
+                      for p in projections]
             if widths != [q_size + 2 * kv_heads * head_dim, hidden, 2 * intermediate, hidden]:
                 return None
             slot.qkv, slot.o, slot.gate_up, slot.down = projections
