@@ -34,26 +34,57 @@
  * takes for one group lie side by side, one base pointer and constant offsets (row-major, the
  * compiler kept eight row pointers and spilled them: 8% slower from 8 rows on). */
 static void quantize_rows(const float *x, int64_t m_rows, int64_t k, int8_t *xq, float *xs,
-                          float *xsum) {
+                          float *xsum, int32_t *xsum16, int threads) {
     const int64_t groups = k / 32;
-    for (int64_t m = 0; m < m_rows; m++) {
-        for (int64_t g = 0; g < groups; g++) {
-            const float *src = x + m * k + g * 32;
-            float amax = 0.0f;  /* a maximum is exact in any order: the same on every ISA */
-            for (int j = 0; j < 32; j++) amax = fabsf(src[j]) > amax ? fabsf(src[j]) : amax;
-            float scale = amax / 127.0f;
-            float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            int8_t *dst = xq + (g * m_rows + m) * 32;
-            int32_t total = 0;
-            for (int j = 0; j < 32; j++) {
-                int32_t v = (int32_t)nearbyintf(src[j] * inv);
-                v = v > 127 ? 127 : (v < -127 ? -127 : v);
-                dst[j] = (int8_t)v;
-                total += v;
-            }
-            xs[g * m_rows + m] = scale;
-            xsum[g * m_rows + m] = scale * (float)total;
+    /* vectorized, and the same bits as nearbyintf per element: a product rounded to float,
+     * then to an integer in the current (nearest-even) mode, as CVTPS2DQ does */
+#pragma omp parallel for num_threads(threads) schedule(static) if (m_rows * k >= 32768)
+    for (int64_t at = 0; at < m_rows * groups; at++) {
+        const int64_t m = at / groups, g = at % groups;
+        const float *src = x + m * k + g * 32;
+        int8_t *dst = xq + (g * m_rows + m) * 32;
+#ifndef Q4K_AVX2
+        const __m512 v0 = _mm512_loadu_ps(src), v1 = _mm512_loadu_ps(src + 16);
+        /* a maximum is exact in any order; max(|x|, m) keeps m for a NaN, as the C loop did */
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(
+            _mm512_abs_ps(v1), _mm512_max_ps(_mm512_abs_ps(v0), _mm512_setzero_ps())));
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+        const __m512i q0 = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inv))), lo), hi);
+        const __m512i q1 = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inv))), lo), hi);
+        _mm_storeu_si128((__m128i *)dst, _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128((__m128i *)(dst + 16), _mm512_cvtepi32_epi8(q1));
+        const int32_t first = _mm512_reduce_add_epi32(q0), second = _mm512_reduce_add_epi32(q1);
+#else
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        __m256 v[4], top = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(src + 8 * i);
+            top = _mm256_max_ps(_mm256_andnot_ps(sign, v[i]), top);
         }
+        float lanes[8], amax = 0.0f;
+        _mm256_storeu_ps(lanes, top);
+        for (int i = 0; i < 8; i++) amax = lanes[i] > amax ? lanes[i] : amax;
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+        int32_t q[32], first = 0, second = 0;
+        for (int i = 0; i < 4; i++)
+            _mm256_storeu_si256((__m256i *)(q + 8 * i), _mm256_min_epi32(_mm256_max_epi32(
+                _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv))), lo), hi));
+        for (int j = 0; j < 32; j++) dst[j] = (int8_t)q[j];
+        for (int j = 0; j < 16; j++) {
+            first += q[j];
+            second += q[16 + j];
+        }
+#endif
+        const int32_t total = first + second;
+        if (xsum16) {  /* Q6_K's sums per 16 inputs */
+            xsum16[2 * (g * m_rows + m)] = first;
+            xsum16[2 * (g * m_rows + m) + 1] = second;
+        }
+        const float scale = amax / 127.0f;
+        xs[g * m_rows + m] = scale;
+        xsum[g * m_rows + m] = scale * (float)total;
     }
 }
 
@@ -279,19 +310,15 @@ static inline __attribute__((always_inline)) void q6_block_rows(
  * 16 inputs. NULL when memory could not be had. */
 typedef struct { int8_t *xq; float *xs, *xsum; int32_t *xsum16; } Scratch;
 
-static int scratch_make(Scratch *s, const float *x, int64_t m_rows, int64_t k, int sums16) {
+static int scratch_make(Scratch *s, const float *x, int64_t m_rows, int64_t k, int sums16,
+                        int threads) {
     const int64_t groups = k / 32;
     s->xq = malloc((size_t)(m_rows * k));
     s->xs = malloc(sizeof(float) * (size_t)(m_rows * groups));
     s->xsum = malloc(sizeof(float) * (size_t)(m_rows * groups));
     s->xsum16 = sums16 ? malloc(sizeof(int32_t) * (size_t)(m_rows * groups * 2)) : NULL;
     if (!s->xq || !s->xs || !s->xsum || (sums16 && !s->xsum16)) return -1;
-    quantize_rows(x, m_rows, k, s->xq, s->xs, s->xsum);
-    for (int64_t h = 0; sums16 && h < m_rows * groups * 2; h++) {
-        int32_t total = 0;
-        for (int j = 0; j < 16; j++) total += s->xq[h * 16 + j];
-        s->xsum16[h] = total;
-    }
+    quantize_rows(x, m_rows, k, s->xq, s->xs, s->xsum, s->xsum16, threads);
     return 0;
 }
 
@@ -341,7 +368,7 @@ int q4k_linear(const float *x, int64_t m_rows, int64_t k, const uint8_t *qs, con
                const uint8_t *mn, const float *d, const float *dmin, int64_t n, float *y,
                int threads) {
     Scratch s;
-    int ok = scratch_make(&s, x, m_rows, k, 0) == 0;
+    int ok = scratch_make(&s, x, m_rows, k, 0, threads) == 0;
     if (ok) q4k_run(&s, m_rows, k, qs, sc, mn, d, dmin, n, y, n, threads);
     scratch_free(&s);
     return ok ? 0 : -1;
@@ -351,7 +378,7 @@ int q4k_linear(const float *x, int64_t m_rows, int64_t k, const uint8_t *qs, con
 int q6k_linear(const float *x, int64_t m_rows, int64_t k, const uint8_t *qs, const uint8_t *qh,
                const int8_t *sc, const float *d, int64_t n, float *y, int threads) {
     Scratch s;
-    int ok = scratch_make(&s, x, m_rows, k, 1) == 0;
+    int ok = scratch_make(&s, x, m_rows, k, 1, threads) == 0;
     if (ok) q6k_run(&s, m_rows, k, qs, qh, sc, d, n, y, n, threads);
     scratch_free(&s);
     return ok ? 0 : -1;
@@ -553,7 +580,7 @@ static int fused_linear(const KFused *f, const float *x, int64_t m, int64_t k, f
                         int threads) {
     const int64_t width = fused_width(f);
     Scratch s;
-    int ok = scratch_make(&s, x, m, k, 1) == 0;
+    int ok = scratch_make(&s, x, m, k, 1, threads) == 0;
     for (int64_t i = 0, at = 0; ok && i < f->parts; at += f->part[i].n, i++) {
         const KPart *p = &f->part[i];
         if (p->kind == 4)
