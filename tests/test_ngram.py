@@ -18,7 +18,8 @@ CASES = [
     # tail [1, 2] occurs at 0 and at 3: the latest (3) is copied, running into the tail
     ([1, 2, 5, 1, 2, 6, 1, 2], 3, 2, 1, [6, 1, 2], "most recent occurrence of the same n"),
     ([1, 2, 5, 1, 2, 6, 1, 2], 1, 2, 1, [6], "continuation capped at k"),
-    ([4, 9, 9, 9, 9, 9, 4], 10, 1, 1, [9, 9, 9, 9, 9, 4], "up to k: fewer when the context ends"),
+    ([4, 9, 9, 9, 9, 9, 4, 9], 10, 2, 1, [9, 9, 9, 9, 4, 9], "up to k: fewer at the end"),
+    ([4, 9, 9, 9, 9, 9, 4], 10, 1, 1, [9, 9, 9], "a one-token match drafts at most 3"),
     ([1, 2, 3, 4, 5], 3, 4, 1, [], "no match"),
     ([3, 8, 1, 3], 2, 4, 1, [8, 1], "a 1-gram match is found with min_n=1"),
     ([3, 8, 1, 3], 2, 4, 2, [], "min_n respected: the 1-gram match is ignored"),
