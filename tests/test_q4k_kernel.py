@@ -1,4 +1,4 @@
-"""The native Q4_K and Q6_K kernels (``localspec.runtime.kernels``, ``q4k.c``), ``Q4KLinear``
+"""The native Q4_K and Q6_K kernels (``localspec.runtime.kernels``, ``lean.c``), ``Q4KLinear``
 and ``Q6KLinear``.
 
 What speculation needs from it: the product it computes is the documented one (Q4_K weights
@@ -24,7 +24,7 @@ from localspec.runtime.kernels import (
     Q6KWeights,
     RowAttention,
     cpu_flags,
-    load_q4k,
+    load_kernels,
     pack_q4k,
     pack_q6k,
     parse_q4k,
@@ -35,7 +35,7 @@ from localspec.runtime.kernels import (
 )
 from localspec.runtime.quant import Q4KLinear, Q6KLinear
 
-ROWS_PER_PASS = 8  # q4k.c's ROWS_PER_PASS: batch sizes around and past it are the risky ones
+ROWS_PER_PASS = 8  # lean.c's ROWS_PER_PASS: batch sizes around and past it are the risky ones
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,7 @@ def lib(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     """The kernel, built once for this module into a temporary cache (skip where it cannot run:
     no AVX-512 VNNI, no compiler)."""
     try:
-        return load_q4k(tmp_path_factory.mktemp("kernels"))
+        return load_kernels(tmp_path_factory.mktemp("kernels"))
     except KernelUnavailable as exc:
         pytest.skip(str(exc))
 
@@ -63,7 +63,7 @@ def _inputs(m: int, k: int, seed: int) -> torch.Tensor:
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     """The activations the kernel really multiplies, dequantized: per group of 32, int8 with
     scale amax / 127, rounded half to even and clamped to ±127; an all-zero group is zeros.
-    Computed as x * (127 / amax), as q4k.c does, so that no value lands on the other side of a
+    Computed as x * (127 / amax), as lean.c does, so that no value lands on the other side of a
     rounding tie than in the kernel."""
     m, k = x.shape
     groups = x.float().view(m, k // GROUP, GROUP)
@@ -249,17 +249,17 @@ def test_cat_equals_the_parts_bit_for_bit(lib: ctypes.CDLL) -> None:
 # ----------------------------------------------------------------------------- building
 
 
-def test_load_q4k_builds_once_per_cache(lib: ctypes.CDLL, tmp_path: Path) -> None:
+def test_load_kernels_builds_once_per_cache(lib: ctypes.CDLL, tmp_path: Path) -> None:
     """The first load compiles into the cache (the .so and its digest, no temporary left
     over); the next one reuses it (a rebuild would replace the file: new inode and mtime); a
     damaged library is rebuilt, never loaded."""
     cache = tmp_path / "kernels"
-    first = load_q4k(cache)
+    first = load_kernels(cache)
     built = sorted(cache.iterdir())
     assert [p.suffix for p in built] == [".so", ".sha256"], built
     library = built[0]
     before = library.stat()
-    second = load_q4k(cache)
+    second = load_kernels(cache)
     after = library.stat()
     assert (after.st_mtime_ns, after.st_ino) == (before.st_mtime_ns, before.st_ino)
     assert sorted(cache.iterdir()) == built
@@ -273,7 +273,7 @@ def test_load_q4k_builds_once_per_cache(lib: ctypes.CDLL, tmp_path: Path) -> Non
     data = bytearray(damaged.read_bytes())
     data[len(data) // 2] ^= 0xFF
     damaged.write_bytes(bytes(data))
-    third = load_q4k(other)
+    third = load_kernels(other)
     assert third.q4k_linear is not None
     assert damaged.read_bytes() != bytes(data)  # rebuilt, not loaded as it was
 
@@ -311,13 +311,13 @@ def test_parse_equals_gguf_dequantize_on_the_real_target() -> None:
         assert torch.equal(ours, theirs), name
 
 
-def test_load_q4k_in_an_unwritable_place_says_why(tmp_path: Path) -> None:
+def test_load_kernels_in_an_unwritable_place_says_why(tmp_path: Path) -> None:
     """A cache that cannot take the library (here: a file where the folder should be) is
     KernelUnavailable with the reason, which callers turn into a w8a8 fallback."""
     blocker = tmp_path / "kernels"
     blocker.write_text("not a folder")
     with pytest.raises(KernelUnavailable):
-        load_q4k(blocker)
+        load_kernels(blocker)
 
 
 def test_avx2_variant_gives_the_same_bits(lib: ctypes.CDLL, tmp_path: Path) -> None:
@@ -326,7 +326,7 @@ def test_avx2_variant_gives_the_same_bits(lib: ctypes.CDLL, tmp_path: Path) -> N
     bit for bit, whichever variant a machine builds."""
     if not {"avx2", "fma"} <= cpu_flags():
         pytest.skip("this CPU cannot run the AVX2 variant")
-    avx2 = load_q4k(tmp_path / "avx2", variant="avx2")
+    avx2 = load_kernels(tmp_path / "avx2", variant="avx2")
     bias = torch.randn(48, generator=torch.Generator().manual_seed(22))
     for layer, weights, k in ((Q4KLinear, quantize_q4k(_weights(48, 896, seed=21)), 896),
                               (Q6KLinear, quantize_q6k(_weights(48, 768, seed=23)), 768)):

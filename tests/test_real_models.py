@@ -25,7 +25,7 @@ from localspec.models.cache import _source_files, kernel_dir
 from localspec.models.loading import ModelLoadError, check_same_tokenizer, load_model
 from localspec.pipeline import Pipeline
 from localspec.presets import load_preset
-from localspec.runtime.kernels import KernelUnavailable, load_q4k
+from localspec.runtime.kernels import KernelUnavailable, load_kernels
 from localspec.runtime.lean_weights import ConcatLinear
 from localspec.runtime.quant import Q4KLinear, Q6KLinear
 
@@ -48,7 +48,7 @@ def test_default_pair_serves_the_files_q4k_matrices(qwen_pair: Pipeline) -> None
     down in Q4_K in half the layers and Q6_K in the other half; q/k beside a Q6_K v there),
     not a silent int8 fallback; the draft is all 4-bit."""
     try:
-        load_q4k(kernel_dir())
+        load_kernels(kernel_dir())
     except KernelUnavailable as exc:
         pytest.skip(f"no Q4_K kernel here: {exc}")
     layers = qwen_pair.target.decoder.layers

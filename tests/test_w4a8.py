@@ -26,7 +26,7 @@ from localspec.runtime.kernels import (
     KQuantWeights,
     Q4KWeights,
     cpu_flags,
-    load_q4k,
+    load_kernels,
     quantize_q4k,
     quantize_q6k,
 )
@@ -38,7 +38,7 @@ from localspec.runtime.runner import ModelRunner
 @pytest.fixture(scope="module")
 def lib(tmp_path_factory: pytest.TempPathFactory) -> object:
     try:
-        return load_q4k(tmp_path_factory.mktemp("kernels"))
+        return load_kernels(tmp_path_factory.mktemp("kernels"))
     except KernelUnavailable as exc:
         pytest.skip(f"no Q4_K kernel here: {exc}")
 
@@ -137,7 +137,7 @@ def test_w4a8_native_stack_gives_the_same_bits_on_avx2(lib: object, tmp_path: Pa
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     tokens = _tokens(30, seed=7)
     logits = []
-    for variant in (lib, load_q4k(tmp_path / "avx2", variant="avx2")):
+    for variant in (lib, load_kernels(tmp_path / "avx2", variant="avx2")):
         runner = _runner(model, "w4a8-requant", variant, dtype=torch.bfloat16)
         assert runner.decoder.native is not None
         logits.append(torch.cat([runner.forward(tokens[:20]), runner.forward(tokens[20:])]))
@@ -274,7 +274,7 @@ def test_w4a8_falls_back_to_w8a8_with_a_reason(saved_model_dir: Path,
     def unavailable(_: Path) -> object:
         raise KernelUnavailable("this CPU lacks avx512_vnni")
 
-    monkeypatch.setattr(lean_store, "load_q4k", unavailable)
+    monkeypatch.setattr(lean_store, "load_kernels", unavailable)
     kind, messages = _served_as(saved_model_dir, "w4a8-requant")
     assert kind is W8A8Linear and any("lacks avx512_vnni" in m for m in messages)
 

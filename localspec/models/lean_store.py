@@ -44,7 +44,7 @@ from localspec.models.integrity import (
     writer_tag,
 )
 from localspec.runtime.decoder import LeanDecoder
-from localspec.runtime.kernels import KernelUnavailable, KQuantWeights, load_q4k
+from localspec.runtime.kernels import KernelUnavailable, KQuantWeights, load_kernels
 from localspec.runtime.lean_weights import export_weights
 
 logger = logging.getLogger(__name__)
@@ -138,7 +138,7 @@ def _save(weights: dict[str, torch.Tensor], out_dir: Path) -> None:
 
 
 def _from_store(model: PreTrainedModel, out_dir: Path, kind: str,
-                q4k_lib: object | None) -> LeanDecoder | None:
+                kernel_lib: object | None) -> LeanDecoder | None:
     """The decoder from a stored folder, or None (with the reason logged) if it is unusable."""
     problem = verify_manifest(out_dir / MANIFEST_NAME)
     if problem is None:
@@ -146,7 +146,7 @@ def _from_store(model: PreTrainedModel, out_dir: Path, kind: str,
         try:
             tensors = _FileTensors(out_dir / WEIGHTS_NAME, mapped=("embed",))
             if tensors.metadata.get("format") == FORMAT:
-                return LeanDecoder(model, kind, tensors, q4k_lib)
+                return LeanDecoder(model, kind, tensors, kernel_lib)
             problem = "another format"
         except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
             problem = f"unreadable ({exc.__class__.__name__}: {exc})"
@@ -159,20 +159,20 @@ def _from_store(model: PreTrainedModel, out_dir: Path, kind: str,
 
 
 def stored_decoder(model: PreTrainedModel, folder: Path, kind: str = "w8a8",
-                   q4k_lib: object | None = None) -> LeanDecoder | None:
+                   kernel_lib: object | None = None) -> LeanDecoder | None:
     """The lean ``kind`` forward of the model in ``folder`` from its stored weights (``model``
     may be an emptied skeleton: only its config and rotary tables are used), or None."""
-    return _from_store(model, store_dir(folder, kind), kind, q4k_lib)
+    return _from_store(model, store_dir(folder, kind), kind, kernel_lib)
 
 
 def lean_decoder(model: PreTrainedModel, folder: Path, kind: str = "w8a8",
                  q4k: Mapping[str, KQuantWeights] | None = None,
-                 q4k_lib: object | None = None) -> LeanDecoder:
+                 kernel_lib: object | None = None) -> LeanDecoder:
     """The lean ``kind`` forward of ``model`` (loaded from ``folder``): from the store when it
     holds a sound copy, else quantized now (``q4k``: the source file's Q4_K and Q6_K matrices, for
     "w4a8") and stored for the next start."""
     out_dir = store_dir(folder, kind)
-    decoder = _from_store(model, out_dir, kind, q4k_lib)
+    decoder = _from_store(model, out_dir, kind, kernel_lib)
     if decoder is not None:
         return decoder
     weights = export_weights(model, kind, q4k)
@@ -180,7 +180,7 @@ def lean_decoder(model: PreTrainedModel, folder: Path, kind: str = "w8a8",
         _save(weights, out_dir)
     except OSError as exc:  # a full or read-only disk costs the next start time, nothing else
         logger.warning("could not store %s weights in %s: %s", kind, out_dir, exc)
-    return LeanDecoder(model, kind, weights, q4k_lib)
+    return LeanDecoder(model, kind, weights, kernel_lib)
 
 
 def gguf_source(spec: ModelSpec) -> Path | None:
@@ -202,7 +202,7 @@ def lean_kind(spec: ModelSpec, progress: Progress) -> tuple[str, object | None]:
         reason = "it is not a GGUF model (no Q4_K or Q6_K matrices to keep)"
     else:
         try:
-            return spec.quantization, load_q4k(kernel_dir())
+            return spec.quantization, load_kernels(kernel_dir())
         except KernelUnavailable as exc:
             reason = f"the Q4_K / Q6_K kernels are unavailable here: {exc}"
     message = f"{spec.model}: {spec.quantization} served as w8a8 because {reason}"

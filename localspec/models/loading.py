@@ -271,7 +271,7 @@ def _skeleton(folder: Path, dtype: torch.dtype) -> PreTrainedModel | None:
 
 
 def _from_lean_store(spec: ModelSpec, folder: Path, dtype: torch.dtype, share: LoadedModel | None,
-                     kind: str, q4k_lib: object | None
+                     kind: str, kernel_lib: object | None
                      ) -> tuple[object, PreTrainedModel, LeanDecoder] | None:
     """Tokenizer, emptied model and decoder when ``folder``'s int8 weights are stored: the
     float weights are then never read (a second start of the 1.5B reads 1.5 GB, not 4.5)."""
@@ -279,7 +279,7 @@ def _from_lean_store(spec: ModelSpec, folder: Path, dtype: torch.dtype, share: L
         model = _skeleton(folder, dtype)
         if model is None or unsupported_reason(model) is not None:
             return None
-        decoder = stored_decoder(model, folder, kind, q4k_lib)
+        decoder = stored_decoder(model, folder, kind, kernel_lib)
         if decoder is None:
             return None
         tokenizer = _load_tokenizer(folder, share)
@@ -305,8 +305,8 @@ def load_model(spec: ModelSpec, progress: Progress = no_progress,
     stored = STORAGE_DTYPES[dtype]
     folder = resolve_model(spec, progress, dtype=stored)
     progress(f"loading {spec.model}", 0.0)
-    kind, q4k_lib = lean_kind(spec, progress) if lean else ("", None)
-    if lean and (quick := _from_lean_store(spec, folder, dtype, share_tokenizer, kind, q4k_lib)):
+    kind, kernel_lib = lean_kind(spec, progress) if lean else ("", None)
+    if lean and (quick := _from_lean_store(spec, folder, dtype, share_tokenizer, kind, kernel_lib)):
         tokenizer, model, decoder = quick
         progress(f"loaded {spec.model}", 1.0)
         return LoadedModel(spec.model, model, tokenizer, folder, time.perf_counter() - start,
@@ -339,7 +339,7 @@ def load_model(spec: ModelSpec, progress: Progress = no_progress,
         progress(f"{kind} weights of {spec.model}", 0.9)
         source = gguf_source(spec) if kind != "w8a8" else None
         q4k = read_q4k_matrices(source) if source is not None else None
-        decoder = lean_decoder(model, folder, kind, q4k, q4k_lib)
+        decoder = lean_decoder(model, folder, kind, q4k, kernel_lib)
     progress(f"loaded {spec.model}", 1.0)
     return LoadedModel(spec.model, model, tokenizer, folder, time.perf_counter() - start,
                        decoder)

@@ -115,10 +115,11 @@ class LeanDecoder:
 
     def __init__(self, model: PreTrainedModel, linear: str = "w8a8",
                  weights: Mapping[str, torch.Tensor] | None = None,
-                 q4k_lib: object | None = None) -> None:
+                 kernel_lib: object | None = None) -> None:
         """Take ``model``'s weights (quantizing them) or ``weights`` as ``export_weights``
         names them (then the model's own are never read); either way the model is emptied.
-        ``q4k_lib`` (``localspec.runtime.kernels.load_q4k``) runs layers stored in Q4_K or Q6_K."""
+        ``kernel_lib`` (``localspec.runtime.kernels.load_kernels``) runs layers stored in Q4_K
+        or Q6_K, attention over a bf16 cache, and all layers at once where it can."""
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the lean forward does not support {reason}")
@@ -136,12 +137,12 @@ class LeanDecoder:
         self.down_rotation = rotation
 
         def layer(i: int) -> _Layer:
-            down = layer_linear(weights, f"layers.{i}.down", q4k_lib)
+            down = layer_linear(weights, f"layers.{i}.down", kernel_lib)
             return _Layer(norm1=weights[f"layers.{i}.norm1"],
-                          qkv=layer_linear(weights, f"layers.{i}.qkv", q4k_lib),
-                          o=layer_linear(weights, f"layers.{i}.o", q4k_lib),
+                          qkv=layer_linear(weights, f"layers.{i}.qkv", kernel_lib),
+                          o=layer_linear(weights, f"layers.{i}.o", kernel_lib),
                           norm2=weights[f"layers.{i}.norm2"],
-                          gate_up=layer_linear(weights, f"layers.{i}.gate_up", q4k_lib),
+                          gate_up=layer_linear(weights, f"layers.{i}.gate_up", kernel_lib),
                           down=down,
                           down_rotated=rotation is not None and isinstance(down, W8A8Linear))
 
@@ -154,19 +155,19 @@ class LeanDecoder:
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.scaling = float(first.scaling)
-        self.row_attention = RowAttention(q4k_lib, self.heads, self.kv_heads, self.head_dim,
+        self.row_attention = RowAttention(kernel_lib, self.heads, self.kv_heads, self.head_dim,
                                           self.scaling) \
-            if q4k_lib is not None and RowAttention.fits(self.heads, self.kv_heads,
+            if kernel_lib is not None and RowAttention.fits(self.heads, self.kv_heads,
                                                          self.head_dim, self.dtype) else None
         self.norm = weights["norm"]
         self.max_length = int(getattr(config, "max_position_embeddings", 0) or 0)
         self.intermediate = config.intermediate_size
         # every layer in one native call where all of them are Q4_K / Q6_K (see native.py)
-        self.native = None if q4k_lib is None else NativeStack.build(
-            q4k_lib, self.layers, config.hidden_size, self.heads, self.kv_heads, self.head_dim,
+        self.native = None if kernel_lib is None else NativeStack.build(
+            kernel_lib, self.layers, config.hidden_size, self.heads, self.kv_heads, self.head_dim,
             self.intermediate, self.eps, self.scaling, self.dtype)
         self.head = LMHead({key.removeprefix("head."): tensor for key, tensor in weights.items()
-                            if key.startswith("head.")}, q4k_lib)
+                            if key.startswith("head.")}, kernel_lib)
         release_weights(model)
 
     def new_cache(self) -> KVCache:

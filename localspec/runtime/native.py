@@ -1,4 +1,4 @@
-"""The whole decoder stack in one native call (``lean_forward`` in ``kernels/q4k.c``).
+"""The whole decoder stack in one native call (``lean_forward`` in ``kernels/lean.c``).
 
 Why: with the weights in the Q4_K / Q6_K kernels, what is left of a step in Python is the glue
 between them: about 35 tensor calls a layer (norms, RoPE, cache writes, attention, SwiGLU,
@@ -24,7 +24,7 @@ from localspec.runtime.kernels import RowAttention
 from localspec.runtime.lean_weights import ConcatLinear, Linear
 from localspec.runtime.quant import Q4KLinear, Q6KLinear
 
-MAX_PARTS = 4  # q4k.c's MAX_PARTS: linear layers side by side in one fused projection
+MAX_PARTS = 4  # lean.c's MAX_PARTS: linear layers side by side in one fused projection
 _pointer, _size = ctypes.c_void_p, ctypes.c_int64
 
 

@@ -5,7 +5,7 @@ the bytes read. The built-in target's GGUF stores most matrices as Q4_K (4.5 bit
 served as int8 it reads 1.8x the bytes. PyTorch's CPU int4 kernel
 (``_weight_int4pack_mm_for_cpu``) takes float activations and costs 8x more at 16 rows than at
 one, which ruins verification, and torchao's W4A8 CPU kernels are not in its PyPI wheel. So
-``q4k.c`` multiplies Q4_K weights, exactly as the file holds them, by int8 activations with
+``lean.c`` multiplies Q4_K weights, exactly as the file holds them, by int8 activations with
 VNNI (or AVX2 on CPUs without AVX-512, with the same bits), flat up to several rows and
 bit-identical whatever the number of rows (see the C file); it does the same for the file's
 Q6_K matrices (the LM head, half the v and down projections of a Q4_K_M file), which int8
@@ -15,7 +15,7 @@ KV cache (``RowAttention``) and the whole decoder stack in one call (``lean_forw
 a sixth of a step.
 
 The library is compiled once per source and flags into the LocalSpec cache (``kernels/``);
-where there is no compiler or neither AVX-512 VNNI nor AVX2, ``load_q4k`` says why and
+where there is no compiler or neither AVX-512 VNNI nor AVX2, ``load_kernels`` says why and
 callers keep the oneDNN int8 path.
 """
 
@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-SOURCE = Path(__file__).with_name("q4k.c")
+SOURCE = Path(__file__).with_name("lean.c")
 CFLAGS = ("-O3", "-fPIC", "-shared", "-fopenmp")
 # variant -> (CPU flags it needs, its compiler flags), best first; both give the same bits
 VARIANTS = {"avx512": (("avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
@@ -105,8 +105,8 @@ def pick_variant(flags: set[str]) -> str:
     raise KernelUnavailable("this CPU has neither AVX-512 VNNI nor AVX2 with FMA")
 
 
-def load_q4k(cache_dir: Path, variant: str | None = None) -> ctypes.CDLL:
-    """The compiled Q4_K kernel (built into ``cache_dir`` on first use, and again when the
+def load_kernels(cache_dir: Path, variant: str | None = None) -> ctypes.CDLL:
+    """The compiled kernels of ``lean.c`` (built into ``cache_dir`` on first use, and again when the
     cached copy fails its digest); ``variant`` (default: the best this CPU runs) names one of
     VARIANTS. KernelUnavailable when this CPU or system cannot have it."""
     variant = variant or pick_variant(cpu_flags())
@@ -114,7 +114,7 @@ def load_q4k(cache_dir: Path, variant: str | None = None) -> ctypes.CDLL:
         raise KernelUnavailable(f"unknown kernel variant {variant!r}")
     flags = (*CFLAGS, *VARIANTS[variant][1])
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
-    path = cache_dir / f"q4k-{variant}-{key}.so"
+    path = cache_dir / f"lean-{variant}-{key}.so"
     if not _intact(path):
         try:
             _build(path, flags)
@@ -229,7 +229,7 @@ def parse_q4k(raw: np.ndarray, n: int, k: int) -> Q4KWeights:
 
 
 def pack_q4k(w: Q4KWeights) -> dict[str, torch.Tensor]:
-    """The kernel's layout (see q4k.c): rows in blocks of 16, two nibbles a byte."""
+    """The kernel's layout (see lean.c): rows in blocks of 16, two nibbles a byte."""
     n, k = w.q.shape
     if n % BLOCK_ROWS or k % GROUP:
         raise ValueError(f"a Q4_K kernel matrix needs rows % 16 == 0 and width % 32 == 0, "
@@ -318,7 +318,7 @@ def parse_q6k(raw: np.ndarray, n: int, k: int) -> Q6KWeights:
 
 
 def pack_q6k(w: Q6KWeights) -> dict[str, torch.Tensor]:
-    """The kernel's layout (see q4k.c): Q4_K's nibble layout for the low 4 bits of q, the top
+    """The kernel's layout (see lean.c): Q4_K's nibble layout for the low 4 bits of q, the top
     2 bits four to a byte."""
     n, k = w.q.shape
     if n % BLOCK_ROWS or k % SUPER:
