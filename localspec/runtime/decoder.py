@@ -214,8 +214,8 @@ class LeanDecoder:
         cos, sin = cos[0].float(), sin[0].float()  # [n, head_dim]
         entering: dict[int, torch.Tensor] = {}
         if self.native is not None and n <= ROW_ATTENTION_MAX:
-            x = x.contiguous()  # rewritten in place by every layer
             inner = [i for i in layers if i < len(self.layers)]
+            # x (the embedding's fresh copy) is rewritten in place by every layer
             features = self.native(x, cos, sin, cache.keys, cache.values, start, inner)
             width = x.shape[1]
             entering = {i: features[:, slot * width:(slot + 1) * width]  # type: ignore[index]

@@ -653,14 +653,15 @@ int lean_forward(const KLayer *layers, int64_t n_layers, float *x, int64_t n, in
                  const int64_t *feature_layers, int64_t count, int threads) {
     const int64_t q_size = heads * d, kv_size = kv_heads * d;
     const int64_t qkv_width = q_size + 2 * kv_size;
-    float *h = malloc(sizeof(float) * (size_t)(n * (hidden > q_size ? hidden : q_size)));
+    if (d % 32 || d > MAX_HEAD_DIM) return -2;  /* attend_rows' limits, checked before RoPE */
+    float *h = malloc(sizeof(float) * (size_t)(n * hidden));  /* a norm's or a projection's */
     float *qkv = malloc(sizeof(float) * (size_t)(n * qkv_width));
     float *qrows = malloc(sizeof(float) * (size_t)(n * q_size));
     float *attn = malloc(sizeof(float) * (size_t)(n * q_size));
     float *gu = malloc(sizeof(float) * (size_t)(n * 2 * inter));
     float *a = malloc(sizeof(float) * (size_t)(n * inter));
-    float *turned = malloc(sizeof(float) * (size_t)d);
-    int status = h && qkv && qrows && attn && gu && a && turned ? 0 : -1;
+    float turned[MAX_HEAD_DIM];  /* d <= MAX_HEAD_DIM: attend_rows refuses more */
+    int status = h && qkv && qrows && attn && gu && a ? 0 : -1;
     for (int64_t i = 0; status == 0 && i < n_layers; i++) {
         const KLayer *L = &layers[i];
         for (int64_t f = 0; f < count; f++)
@@ -696,6 +697,6 @@ int lean_forward(const KLayer *layers, int64_t n_layers, float *x, int64_t n, in
         if ((status = fused_linear(&L->down, a, n, inter, h, threads))) break;
         for (int64_t e = 0; e < n * hidden; e++) x[e] += h[e];
     }
-    free(h); free(qkv); free(qrows); free(attn); free(gu); free(a); free(turned);
+    free(h); free(qkv); free(qrows); free(attn); free(gu); free(a);
     return status;
 }
