@@ -91,7 +91,10 @@ def tiny_presets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 def tiny(tiny_presets: dict[str, str]) -> ChatApp:
     host = ModelHost(warm_up=False)
     assert host.load(tiny_presets["ngram"]), host.status().error
-    return ChatApp(host, detect_hardware(), tiny_presets["ngram"], min_update_interval=0.0)
+    # The tests drive the answers' generators from the calling thread, so a Stop there could
+    # only time out waiting for them to end: it does not wait.
+    return ChatApp(host, detect_hardware(), tiny_presets["ngram"], min_update_interval=0.0,
+                   stop_wait_s=0.0)
 
 
 def failing_stream(pipe: Pipeline, after: int, error: Exception) -> Callable[..., Iterator]:
@@ -296,6 +299,31 @@ def test_two_sessions_and_stop_while_waiting(tiny: ChatApp) -> None:
     assert not tiny.host.generation_lock.locked() and tiny.host.status().waiting == 0
 
 
+def test_stop_leaves_the_notice_to_the_answers_last_update(tiny: ChatApp) -> None:
+    """Stop's reply and the answer's last update reach the page in either order; a Stop that
+    sees the answer end within its wait sends nothing, so "Stopped." is what stays."""
+    tiny.stop_wait_s = 30.0
+    updates: list[tuple] = []
+    stepping = threading.Event()
+
+    def consume() -> None:
+        for update in tiny.chat("def add", [], settings(method="none", max_new_tokens=400),
+                                session="s"):
+            updates.append(update)
+            if len(updates) >= 3:
+                stepping.set()
+
+    answering = threading.Thread(target=consume)
+    answering.start()
+    assert stepping.wait(60)
+    assert is_skip(tiny.stop("s"))
+    answering.join(10)
+    assert not answering.is_alive()
+    out = final(updates)
+    assert "Stopped." in out["notice"] and "stopped: cancelled" in out["summary"]
+    assert "Nothing to stop" in tiny.stop("s")
+
+
 def test_stop_is_per_tab_and_clear_waits_for_the_answer(tiny: ChatApp) -> None:
     """The race tab's Stop leaves the chat alone; Clear stops the chat and returns only after
     its last update, so that update cannot bring the old conversation back."""
@@ -392,7 +420,7 @@ def test_controls_come_from_the_config(tiny: ChatApp) -> None:
 def app() -> ChatApp:
     host = ModelHost()
     assert host.load(SMOL), host.status().error
-    return ChatApp(host, detect_hardware(), SMOL, min_update_interval=0.0)
+    return ChatApp(host, detect_hardware(), SMOL, min_update_interval=0.0, stop_wait_s=0.0)
 
 
 @pytest.fixture

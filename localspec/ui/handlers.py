@@ -61,6 +61,7 @@ from localspec.ui.views import (
 
 logger = logging.getLogger(__name__)
 CLEAR_WAIT_S = 30.0  # the longest Clear waits for a running answer to stop (one step)
+STOP_WAIT_S = 2.0  # how long Stop waits for the answer's own "Stopped." before saying "Stopping…"
 FAILED_TO_START = ("⚠ The generation could not start (an internal error; the details are in "
                    "the server log).")
 
@@ -70,12 +71,14 @@ class ChatApp:
 
     def __init__(self, host: ModelHost, hardware: Hardware, default_preset: str,
                  min_update_interval: float = 0.08,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter,
+                 stop_wait_s: float = STOP_WAIT_S) -> None:
         self.host = host
         self.hardware = hardware
         self.default_preset = default_preset
         self.min_update_interval = min_update_interval
         self.clock = clock
+        self.stop_wait_s = stop_wait_s
 
     # ------------------------------------------------------------------ status and presets
 
@@ -158,11 +161,19 @@ class ChatApp:
             return
         yield from self._answer(Turn(messages, before, None), settings, session)
 
-    def stop(self, session: str = "local", tab: str = "chat") -> str:
-        """Stop ``session``'s running (or waiting) generations in ``tab`` ("chat" or "race")."""
-        if self.host.cancel(f"{session}/{tab}"):
-            return notice_html("Stopping after the current step…")
-        return notice_html("Nothing to stop.")
+    def stop(self, session: str = "local", tab: str = "chat") -> str | dict[str, Any]:
+        """Stop ``session``'s running (or waiting) generations in ``tab`` ("chat" or "race").
+
+        The answer's last update says "Stopped." itself. This reply and that update reach the
+        page by different connections, in either order, so a "Stopping…" sent here could land
+        after it and stay. So Stop waits up to ``stop_wait_s`` for the answer to end and then
+        leaves the notice alone; only a longer step (a long prompt's prefill) gets "Stopping…"."""
+        where = f"{session}/{tab}"
+        if not self.host.cancel(where):
+            return notice_html("Nothing to stop.")
+        if self.host.wait_ended(where, self.stop_wait_s):
+            return gr.skip()
+        return notice_html("Stopping after the current step…")
 
     def clear(self, session: str = "local") -> ChatView:
         """A new conversation. An answer still running is stopped first, and waited for, so
