@@ -51,6 +51,8 @@ DEFAULT_PRESET = "cpu-qwen-coder-draft"
 # Methods that draft from the target's hidden features with a head named in
 # [speculative_config] model (a folder or a Hugging Face repo id), as vLLM names them.
 HEAD_METHODS: tuple[str, ...] = ("eagle", "eagle3", "medusa")
+# where train-drafter takes its documents' answers: as written, or the target's own
+ANSWER_SOURCES: tuple[str, ...] = ("corpus", "target")
 # Heads shipped inside the package (localspec/data/heads/<name>/), by the name a preset's
 # [speculative_config] model gives, with the built-in target each was trained for.
 BUILTIN_HEADS: dict[str, str] = {"qwen2.5-coder-1.5b-eagle3": "qwen2.5-coder-1.5b-instruct"}

@@ -34,8 +34,11 @@ from localspec.drafters.head_files import read_head
 from localspec.drafters.head_layouts import load_eagle_head, load_medusa_heads
 from localspec.drafters.medusa import MedusaDrafter, MedusaHeads
 from localspec.engine.engine import GenerationRequest, SpeculativeEngine
+from localspec.pipeline import Pipeline
+from localspec.presets import load_preset
 from localspec.runtime.runner import ModelRunner
 from localspec.training import train as train_module
+from localspec.training.answers import AnswerCache, SelfDistiller
 from localspec.training.corpus import default_documents, encoders, user_documents
 from localspec.training.heads import (
     HeadShape,
@@ -238,6 +241,69 @@ def test_resume_gives_the_uninterrupted_result(capsys: pytest.CaptureFixture[str
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_self_distillation_answers_with_the_target_once(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, targets: dict[str, str],
+        corpus: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--answers target``: each document's answer is the target's own greedy answer to its
+    request (what ``Pipeline.run`` gives), made once: a second run reads them all from the
+    cache and trains on the same chunks (their features reused too)."""
+    args = ["--answers", "target", "--answer-tokens", "12", "--steps", "2",
+            "--eval-prompts", "1", "--tokens", "512"]
+    first = train_cli(capsys, targets["random"], "eagle3", tmp_path / "a", corpus, *args)
+    answers = first["answers"]
+    assert answers["made"] == first["documents"] and answers["reused"] == 0
+    assert 0 < answers["tokens_made"] <= 12 * answers["made"]
+    cached = [json.loads(line) for path in (tmp_path / "cache" / "answers").glob("*.jsonl")
+              for line in path.read_text(encoding="utf-8").splitlines()]
+    assert len(cached) == answers["made"]
+    pipe = Pipeline.load(load_preset(targets["random"]), load_draft=False)
+    document = next(d for d in user_documents([str(corpus)])[1:]
+                    if AnswerCache.key(d.prompt) == cached[0]["prompt_sha256"])
+    alone = pipe.run(pipe.request(pipe.encode_prompt(document.prompt), max_new_tokens=12,
+                                  temperature=0.0))
+    assert cached[0]["answer"] == alone.text and alone.text != document.text
+
+    def no_generation(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("an answer was generated again")
+
+    monkeypatch.setattr(SelfDistiller, "_generate", no_generation)
+    second = train_cli(capsys, targets["random"], "eagle3", tmp_path / "b", corpus, *args)
+    assert second["answers"]["made"] == 0
+    assert second["answers"]["reused"] == answers["made"]
+    assert second["features"]["computed"] == 0
+    assert second["features"]["reused"] == second["chunks"] == first["chunks"]
+
+
+def test_answer_cache_skips_a_line_cut_short(tmp_path: Path) -> None:
+    path = tmp_path / "answers.jsonl"
+    cache = AnswerCache(path)
+    cache.put("first request", "first answer")
+    cache.put("second request", "second answer")
+    with path.open("a", encoding="utf-8") as f:
+        f.write('{"prompt_sha256": "ab')  # a write killed half-way
+    again = AnswerCache(path)
+    assert len(again) == 2 and again.get("second request") == "second answer"
+    assert again.get("third request") is None
+
+
+def test_init_trains_a_head_further(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                    targets: dict[str, str], corpus: Path) -> None:
+    """``--init``: training starts from the trained head (its loss where that one ended, its
+    draft vocabulary kept), not from new weights; a head of another method is refused."""
+    args = ["--steps", "30", "--lr", "1e-2", "--eval-prompts", "0"]
+    trained = train_cli(capsys, targets["random"], "eagle3", tmp_path / "a", corpus, *args)
+    more = train_cli(capsys, targets["random"], "eagle3", tmp_path / "b", corpus,
+                     "--init", str(tmp_path / "a"), "--steps", "4", "--lr", "1e-4",
+                     "--eval-prompts", "0")
+    first_losses = trained["training"]["losses"]
+    assert _mean(more["training"]["losses"]) < 0.85 * _mean(first_losses[:4])
+    a, b = (load_file(tmp_path / name / "model.safetensors") for name in ("a", "b"))
+    assert torch.equal(a["d2t"], b["d2t"]) and not torch.equal(a["fc.weight"], b["fc.weight"])
+    assert_user_error(run_cli(capsys, "train-drafter", "--method", "eagle", "--preset",
+                              targets["random"], "--out", str(tmp_path / "c"), "--corpus",
+                              str(corpus), *TINY, "--init", str(tmp_path / "a")), "eagle")
+
+
 # ----------------------------------------------------------------------------- bad input
 
 
@@ -248,6 +314,7 @@ def test_resume_gives_the_uninterrupted_result(capsys: pytest.CaptureFixture[str
     ({"--out": "{tmp}/file/sub"}, ["cannot write there"]),
     ({"--resume": ""}, ["holds no checkpoint to resume"]),
     ({"--preset": None}, ["needs the target: --target MODEL, or --preset"]),
+    ({"--answers": "target", "--format": "raw"}, ["--answers target needs requests"]),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str], tmp_path: Path,
                                           targets: dict[str, str], corpus: Path,

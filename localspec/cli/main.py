@@ -29,6 +29,7 @@ from transformers.utils import logging as transformers_logging
 
 from localspec.cli.loading import load_pipeline
 from localspec.config import (
+    ANSWER_SOURCES,
     DEFAULT_PRESET,
     HARDWARE_LABELS,
     MAX_BENCH_REPEATS,
@@ -203,6 +204,17 @@ def _add_train_drafter(sub: argparse._SubParsersAction) -> None:
     train.add_argument("--format", choices=("auto", "chat", "raw"), default="auto",
                        help="wrap documents in the target's chat template (auto: when it has "
                             "one) or feed raw text")
+    train.add_argument("--answers", choices=ANSWER_SOURCES, default="corpus",
+                       help="the documents' answers as written (corpus), or the target's own "
+                            "greedy answers to their requests (target: self-distillation, "
+                            "generated once and cached; ~30 min for 50k tokens on 2 cores)")
+    train.add_argument("--answer-tokens", type=_count(MAX_NEW_TOKENS), default=384,
+                       help="the longest answer the target writes with --answers target "
+                            "(default: %(default)s)")
+    train.add_argument("--init", default=None, metavar="HEAD",
+                       help="start from this trained head (a folder or built-in head of the "
+                            "same method and target) instead of a new one; its sizes and draft "
+                            "vocabulary are kept")
     train.add_argument("--tokens", type=_count(10**9), default=81_920,
                        help="corpus tokens to compute target features for (~7 min for the "
                             "bundled 1.5B in w8a8 on 2 cores; default: %(default)s)")

@@ -32,6 +32,7 @@ from localspec.drafters.medusa import MedusaHeads
 from localspec.errors import ConfigError, InputFileError
 from localspec.pipeline import Pipeline
 from localspec.presets import load_preset
+from localspec.training.answers import SelfDistiller, open_answers
 from localspec.training.corpus import (
     Corpus,
     Document,
@@ -47,9 +48,11 @@ from localspec.training.heads import (
     feature_layers,
     head_bytes,
     head_config,
+    initial_head,
     new_head,
     save_head,
     vocabulary,
+    vocabulary_coverage,
 )
 from localspec.training.target import FrozenTarget, fingerprint
 from localspec.training.train import Checkpoint, TrainConfig, train
@@ -104,6 +107,9 @@ def plan_training(args: argparse.Namespace) -> TrainPlan:
     if args.method not in HEAD_METHODS:
         raise ConfigError(f"unknown --method '{args.method}': choose one of "
                           f"{', '.join(HEAD_METHODS)}")
+    if args.answers == "target" and args.format == "raw":
+        raise ConfigError("--answers target needs requests to answer: it works with the chat "
+                          "format, not --format raw")
     preset = _target_preset(args)
     documents = read_corpus(args.corpus) if args.corpus else None
     out = _writable_folder(args.out)
@@ -157,30 +163,47 @@ class Setup:
     vocab_ids: torch.Tensor
     head: EagleHead | MedusaHeads
     identity: dict[str, object]  # what a checkpoint must match to be resumed
+    fingerprint: dict[str, object]  # the served target's: keys the feature and answer caches
+    distiller: SelfDistiller | None  # --answers target
 
 
 def _set_up(plan: TrainPlan, args: argparse.Namespace, log: Log) -> Setup:
     """Load the target, read and encode the corpus, build the head, and check a checkpoint
     to resume against it (before any target pass is spent)."""
-    pipe = load_pipeline(plan.preset, need_draft=False)
+    distill = args.answers == "target"
+    pipe = load_pipeline(plan.preset, need_draft=distill)  # the draft answers sooner
     runner = pipe.target_runner()
     target = FrozenTarget(runner)
+    spec = plan.preset.target_spec()
+    served = fingerprint(spec, pipe.target.folder, str(target.device),
+                         plan.preset.localspec.logits_fp32)
     fmt = args.format
     if fmt == "auto":
         fmt = "chat" if pipe.tokenizer.chat_template else "raw"
     if fmt == "chat" and not pipe.tokenizer.chat_template:
-        raise ConfigError("--format chat: the target has no chat template (a base model?): "
-                          "use --format raw")
+        raise ConfigError(f"--format chat{' (--answers target)' if distill else ''}: the "
+                          "target has no chat template (a base model?): use --format raw")
     if runner.max_length and args.seq_len > runner.max_length:
         raise ConfigError(f"--seq-len {args.seq_len} is longer than the target's context "
                           f"({runner.max_length} tokens)")
     layers = feature_layers(plan.method, runner.num_layers)
     encode, prompt_ids = encoders(pipe.tokenizer, fmt)
+    distiller = None
+    if distill:
+        distiller = SelfDistiller(pipe, open_answers(served, args.answer_tokens),
+                                  args.answer_tokens, log)
+        log(f"answers: the target's own, at most {args.answer_tokens} tokens each "
+            f"({len(distiller.cache)} cached in {distiller.cache.path})")
+        written = encode
+        encode = lambda document: written(distiller(document))  # noqa: E731
     corpus = build_corpus(plan.documents or default_documents(), encode, prompt_ids,
                           args.tokens, args.seq_len, args.eval_prompts)
     vocab_ids, coverage = vocabulary(corpus.chunks, target.vocab_size, plan.shape.draft_vocab)
-    head = new_head(plan.method, target, plan.shape, vocab_ids, plan.config.seed)
-    spec = plan.preset.target_spec()
+    if args.init:
+        head, vocab_ids = initial_head(args.init, plan.method, target, layers, vocab_ids)
+        coverage = vocabulary_coverage(corpus.chunks, target.vocab_size, vocab_ids)
+    else:
+        head = new_head(plan.method, target, plan.shape, vocab_ids, plan.config.seed)
     identity = {**plan.config.identity(), "seq_len": len(corpus.chunks[0]),
                 "layers": list(layers), "head": head_config(head, plan.method, layers, ""),
                 "target": [spec.model, spec.dtype, spec.quantization]}
@@ -188,6 +211,9 @@ def _set_up(plan: TrainPlan, args: argparse.Namespace, log: Log) -> Setup:
         Checkpoint(plan.out / "checkpoint").check(identity)
     tokens = sum(len(c) for c in corpus.chunks)
     source = " ".join(args.corpus) if args.corpus else "the Python standard library"
+    if distiller is not None:
+        source += (f", answered by the target ({distiller.made} answers made, "
+                   f"{distiller.reused} cached)")
     head_mb = head_bytes(head, target.vocab_size) / 1e6
     log(f"corpus: {tokens:,} tokens from {corpus.documents} documents of {source} ({fmt}"
         f"{', all of it' if corpus.exhausted else ''}), {len(corpus.chunks)} chunks of "
@@ -198,7 +224,8 @@ def _set_up(plan: TrainPlan, args: argparse.Namespace, log: Log) -> Setup:
     log(f"plan: target features for {tokens:,} tokens (cached ones reused), "
         f"{plan.config.steps} steps of {plan.config.batch} x {len(corpus.chunks[0])} tokens, "
         f"acceptance on {len(corpus.eval_prompts)} prompts x {args.eval_tokens} tokens")
-    return Setup(pipe, target, fmt, corpus, layers, vocab_ids, head, identity)
+    return Setup(pipe, target, fmt, corpus, layers, vocab_ids, head, identity, served,
+                 distiller)
 
 
 def run_train_drafter(args: argparse.Namespace, log: Log) -> int:
@@ -210,9 +237,7 @@ def run_train_drafter(args: argparse.Namespace, log: Log) -> int:
     checkpoint = Checkpoint(plan.out / "checkpoint")
     progress = ProgressBar()
     try:
-        store = open_store(fingerprint(spec, s.pipe.target.folder, str(s.target.device),
-                                       plan.preset.localspec.logits_fp32), s.layers,
-                           s.target.hidden_size)
+        store = open_store(s.fingerprint, s.layers, s.target.hidden_size)
         extracted = extract_features(s.target.runner, s.layers, s.corpus.chunks, store,
                                      progress, log)
         result, vocab_ids = train(s.head, s.target, store, extracted.paths, s.vocab_ids,
@@ -231,6 +256,11 @@ def run_train_drafter(args: argparse.Namespace, log: Log) -> int:
         "method": plan.method, "out": str(plan.out), "target": spec.model,
         "quantization": spec.quantization, "head_bytes": saved_bytes, "format": s.fmt,
         "corpus": args.corpus or "stdlib", "documents": s.corpus.documents,
+        "answers": None if s.distiller is None else {
+            "source": "target", "max_tokens": args.answer_tokens, "made": s.distiller.made,
+            "reused": s.distiller.reused, "tokens_made": s.distiller.tokens,
+            "seconds": round(s.distiller.seconds, 1)},
+        "init": args.init,
         "tokens": sum(len(c) for c in s.corpus.chunks), "chunks": len(s.corpus.chunks),
         "seq_len": len(s.corpus.chunks[0]), "draft_vocab": len(vocab_ids),
         "features": {"computed": extracted.computed, "reused": extracted.reused,

@@ -17,9 +17,8 @@ would be another distribution (no template tokens, no code fence, no request to 
 User files (``--corpus PATH ...``): ``.py`` files are read like the standard library (functions
 without a docstring are asked for by name); ``.txt``, ``.md`` and ``.rst`` files are cut at
 blank lines into pieces of about ``TEXT_PIECE`` characters, each asked for as "the next part"
-of its file. Folders are searched recursively. What this module does NOT do: generate the
-target's own answers (self-distillation would fit the head to the target's style better, but
-costs a target pass per token: minutes per thousand tokens on a CPU).
+of its file. Folders are searched recursively. The target's own answers to the same requests
+(self-distillation, ``--answers target``) are made in ``answers.py``.
 """
 
 from __future__ import annotations

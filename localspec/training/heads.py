@@ -20,6 +20,11 @@ feature through (identity on the feature's block, small noise elsewhere), the la
 start small, and EAGLE-3's norm and LM head start as the target's final norm and LM head rows,
 so the untrained head already speaks the target's output space. Medusa blocks start as the
 identity (Medusa's own choice). Heads are saved as bfloat16 safetensors and config.json.
+
+``--init HEAD`` starts from a trained head instead (to train it further, e.g. on the target's
+own answers): read by the drafters' own loader, so a head for another target is refused with
+the same message, then made float32 and trainable. Its sizes and (EAGLE-3) draft vocabulary
+are kept; a head that fuses other layers than this run's features is refused.
 """
 
 from __future__ import annotations
@@ -35,8 +40,10 @@ from torch import nn
 
 from localspec.drafters.eagle import eagle3_layers
 from localspec.drafters.eagle_head import EagleHead, EagleSpec, RMSNorm
+from localspec.drafters.head_files import read_head
+from localspec.drafters.head_layouts import load_eagle_head, load_medusa_heads
 from localspec.drafters.medusa import MedusaHeads
-from localspec.errors import ConfigError
+from localspec.errors import ConfigError, ModelLoadError
 from localspec.training.target import FrozenTarget
 
 SAVE_DTYPE = torch.bfloat16
@@ -75,10 +82,21 @@ def feature_layers(method: str, num_layers: int) -> tuple[int, ...]:
 def vocabulary(chunks: list[list[int]], vocab_size: int, size: int) -> tuple[torch.Tensor, float]:
     """The ``size`` most frequent token ids of the corpus, ascending, and the share of the
     corpus' tokens they cover (ties broken by id: the same list every run)."""
-    counts = torch.bincount(torch.tensor([t for c in chunks for t in c]), minlength=vocab_size)
+    counts = _counts(chunks, vocab_size)
     order = torch.sort(counts, descending=True, stable=True).indices[:min(size, vocab_size)]
     ids = order.sort().values
-    return ids, float(counts[ids].sum()) / max(1, int(counts.sum()))
+    return ids, vocabulary_coverage(chunks, vocab_size, ids, counts)
+
+
+def _counts(chunks: list[list[int]], vocab_size: int) -> torch.Tensor:
+    return torch.bincount(torch.tensor([t for c in chunks for t in c]), minlength=vocab_size)
+
+
+def vocabulary_coverage(chunks: list[list[int]], vocab_size: int, ids: torch.Tensor,
+                        counts: torch.Tensor | None = None) -> float:
+    """The share of the corpus' tokens that are among ``ids``."""
+    counts = _counts(chunks, vocab_size) if counts is None else counts
+    return float(counts[ids.cpu()].sum()) / max(1, int(counts.sum()))
 
 
 def eagle_spec(method: str, config: object, shape: HeadShape, draft_vocab: int) -> EagleSpec:
@@ -126,6 +144,26 @@ def new_head(method: str, target: FrozenTarget, shape: HeadShape, vocab_ids: tor
             if norm is not None and head.norm is not None:
                 head.norm.weight.copy_(norm)
     return head.train()
+
+
+def initial_head(name: str, method: str, target: FrozenTarget, layers: tuple[int, ...],
+                 vocab_ids: torch.Tensor) -> tuple[EagleHead | MedusaHeads, torch.Tensor]:
+    """The trained head ``name`` as a float32 head to train further, and its training
+    vocabulary (EAGLE-3: its own draft vocabulary; otherwise ``vocab_ids``)."""
+    files = read_head(name)
+    if method == "medusa":
+        head: EagleHead | MedusaHeads = load_medusa_heads(files, target.runner, torch.float32)
+    else:
+        head, fused = load_eagle_head(files, method, target.runner, torch.float32)
+        if fused is not None and tuple(fused) != tuple(layers):
+            raise ModelLoadError(f"--init {name}: it fuses target layers {list(fused)}, "
+                                 f"this run trains on layers {list(layers)}")
+        if head.lm_head is not None:
+            vocab_ids = head.d2t + torch.arange(len(head.d2t), device=head.d2t.device)
+    head.requires_grad_(True)
+    if getattr(head, "embed_tokens", None) is not None:  # a published head's own: kept
+        head.embed_tokens.requires_grad_(False)
+    return head.train(), vocab_ids
 
 
 def saved_tensors(head: EagleHead | MedusaHeads, method: str,
