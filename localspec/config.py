@@ -68,6 +68,9 @@ def cache_root() -> Path:
 # ----------------------------------------------------------------------------- limits
 
 MAX_SPECULATIVE_TOKENS = 32  # the most drafts one target pass verifies
+# Tokens of KV cache a GPU preset reserves (prompt + answer): what its memory estimate counts
+# and what a static cache (``cuda_graphs``) holds.
+DEFAULT_CONTEXT = 4096
 MAX_LOOKUP_NGRAM = 64
 MAX_NEW_TOKENS = 32768
 MAX_TEMPERATURE = 100.0
@@ -154,6 +157,9 @@ class LocalSpecConfig(BaseModel):
     logits_fp32: bool = True  # target's final norm and top logits in float32
     draft_vocab_size: Annotated[int, Field(ge=0)] = 0  # draft LM head cut to N ids (0 = all)
     lookup_first: bool = False  # n-gram lookup first, the draft model or head on a miss
+    # CUDA only, experimental: static KV caches of DEFAULT_CONTEXT tokens and every forward of
+    # up to 32 tokens (target and draft) replayed as a CUDA graph, compiled once per width
+    cuda_graphs: bool = False
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from jinja2.exceptions import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from localspec.config import (
+    DEFAULT_CONTEXT,
     HEAD_METHODS,
     METHODS,
     ModelSpec,
@@ -153,8 +154,20 @@ class Pipeline:
 
     def target_runner(self) -> ModelRunner:
         if self._runner is None:
-            self._runner = self.target.runner(logits_fp32=self.preset.localspec.logits_fp32)
+            self._runner = self.target.runner(logits_fp32=self.preset.localspec.logits_fp32,
+                                              **self._graph_options(self.target))
         return self._runner
+
+    def _graph_options(self, loaded: LoadedModel) -> dict[str, object]:
+        """Static cache and CUDA graphs where the preset asks for them and the model runs
+        the Hugging Face forward on a CUDA device; nothing otherwise (a GPU preset run on a
+        CPU falls back to the usual cache)."""
+        if not (self.preset.localspec.cuda_graphs and loaded.decoder is None
+                and loaded.model.device.type == "cuda"):
+            return {}
+        limit = int(getattr(loaded.model.config, "max_position_embeddings", 0) or 0)
+        return {"static_cache": min(DEFAULT_CONTEXT, limit) if limit else DEFAULT_CONTEXT,
+                "cuda_graphs": True}
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -179,7 +192,7 @@ class Pipeline:
         rows = frequent_token_rows(self.draft.tokenizer, self.preset.localspec.draft_vocab_size,
                                    self.draft.vocab_size)
         return DraftModelDrafter(
-            self.draft.runner(vocab_rows=rows),
+            self.draft.runner(vocab_rows=rows, **self._graph_options(self.draft)),
             target_vocab_size=self.target_runner().vocab_size,
             tokenizer_vocab_size=len(self.tokenizer),
             confidence_threshold=self.preset.localspec.draft_confidence_threshold,

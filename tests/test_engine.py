@@ -109,6 +109,27 @@ def test_greedy_equals_plain(kind: str, k: int, adaptive: bool, target_runner: M
     assert drafted > 0, "the drafter never proposed anything: the test would prove nothing"
 
 
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed-k", "adaptive"])
+def test_static_graphed_runners_equal_plain(adaptive: bool, target_model: PreTrainedModel,
+                                            close_draft_model: PreTrainedModel,
+                                            plain_reference: dict[str, list[int]]) -> None:
+    """Target and draft on static caches with ``cuda_graphs`` (traced with the eager backend
+    off CUDA: the padding to width buckets, the cropping, the kept outputs): greedy
+    speculation still emits the plain tokens, through accepted and rejected drafts."""
+    def graphed(model: PreTrainedModel) -> ModelRunner:
+        return ModelRunner(model, static_cache=128, cuda_graphs=True)
+
+    drafter = DraftModelDrafter(graphed(close_draft_model), target_vocab_size=VOCAB,
+                                tokenizer_vocab_size=VOCAB)
+    engine = SpeculativeEngine(graphed(target_model), drafter, decode, set())
+    rejected = 0
+    for name, prompt in PROMPTS.items():
+        tokens, events = collect(engine, request(prompt, k=5, adaptive=adaptive))
+        assert tokens == plain_reference[name], name
+        rejected += sum(len(e.rejected) for e in events)
+    assert rejected > 0
+
+
 def test_drafters_exercise_accept_and_reject(target_runner: ModelRunner,
                                              make_drafter: Callable[[str], Drafter]) -> None:
     """Sanity of the fixtures: the close draft and n-gram lookup see both accepted and

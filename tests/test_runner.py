@@ -3,10 +3,12 @@ full forward; float32-exact top logits on a bfloat16 model."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import make_tiny_model
 from transformers import PreTrainedModel
 
+from localspec.runtime import runner as runner_module
 from localspec.runtime.runner import ModelRunner, refine_top_logits
 
 TOKENS = [5, 17, 33, 2, 80, 41, 9, 60, 3, 91, 44, 12]
@@ -106,3 +108,80 @@ def test_logits_fp32_on_bfloat16_model() -> None:
     torch.testing.assert_close(logits, reference, atol=0.5, rtol=0.05)
     last = ModelRunner(bf16, logits_fp32=True).forward(TOKENS, logits_to_keep=2)
     torch.testing.assert_close(last, logits[-2:])
+
+
+def test_static_cache_runner_equals_the_dynamic_one(target_model: PreTrainedModel) -> None:
+    """A static cache: the same logits through prefill, a rejected draft rolled back and
+    reset; its tensors are allocated once (rollback moves a length); its capacity is the
+    runner's context."""
+    dynamic = ModelRunner(target_model)
+    static = ModelRunner(target_model, static_cache=64)
+    assert static.max_length == 64
+    for runner in (dynamic, static):
+        runner.forward(TOKENS[:8])
+        runner.forward([70, 71, 72])
+        runner.crop(8)
+    keys = static.cache.layers[0].keys
+    torch.testing.assert_close(static.forward(TOKENS[8:]), dynamic.forward(TOKENS[8:]),
+                               atol=1e-5, rtol=1e-5)
+    static.reset()
+    assert static.length == 0 and static.cache.layers[0].keys is keys
+    torch.testing.assert_close(static.forward(TOKENS), full_logits(target_model, TOKENS),
+                               atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="do not fit the static cache of 64"):
+        static.forward(list(range(60)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_graphed_runner_pads_to_its_buckets_and_equals_eager(dtype: torch.dtype) -> None:
+    """``cuda_graphs``: every forward of up to 32 tokens runs the compiled step at a bucket
+    width (here traced with the eager backend: no GPU), padded, the padding's cache entries
+    dropped. Logits (float32-refined on a bf16 model), hidden states, recorded features and
+    rollback equal the eager static runner's; widths past the buckets run eagerly. In
+    bfloat16 a padded batch rounds differently (as any batch of another size does): close,
+    with the same argmax."""
+    model = make_tiny_model(seed=0).to(dtype)
+    eager = ModelRunner(model, logits_fp32=True, static_cache=128)
+    graphed = ModelRunner(model, logits_fp32=True, static_cache=128, cuda_graphs=True)
+    tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.1,
+                                                                      "rtol": 0.05}
+    for runner in (eager, graphed):
+        runner.record_features((1, 2))
+    feeds = [TOKENS[:7], TOKENS[7:8], [70, 71, 72], TOKENS[8:], list(range(40))]
+    for tokens in feeds:
+        a, b = eager.forward(tokens), graphed.forward(tokens)
+        assert graphed.length == eager.length == graphed.cache.get_seq_length()
+        torch.testing.assert_close(b, a, **tol)
+        assert torch.equal(b.argmax(-1), a.argmax(-1))
+        torch.testing.assert_close(graphed.last_hidden, eager.last_hidden, **tol)
+        if tokens == [70, 71, 72]:  # a rejected draft
+            eager.crop(8)
+            graphed.crop(8)
+    torch.testing.assert_close(graphed.features(0, graphed.length),
+                               eager.features(0, eager.length), **tol)
+    hooks = model.base_model.norm._forward_pre_hooks  # the graphed runner's own (bf16)
+    assert len(hooks) == (dtype == torch.bfloat16)
+    with pytest.raises(ValueError, match="static cache"):
+        ModelRunner(model, cuda_graphs=True)
+
+
+def test_long_prefill_runs_in_pieces(target_model: PreTrainedModel,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt longer than PREFILL_CHUNK whose leading logits are not wanted is fed in
+    pieces: the same kept logits and recorded features, the pieces visible as backbone
+    calls."""
+    whole = ModelRunner(target_model)
+    whole.record_features((1, 2))
+    expected = whole.forward(TOKENS, logits_to_keep=2)
+    monkeypatch.setattr(runner_module, "PREFILL_CHUNK", 5)
+    pieces = ModelRunner(target_model)
+    pieces.record_features((1, 2))
+    calls: list[int] = []
+    step = pieces._backbone_step
+    monkeypatch.setattr(pieces, "_backbone_step",
+                        lambda ids, *rest: calls.append(ids.shape[1]) or step(ids, *rest))
+    torch.testing.assert_close(pieces.forward(TOKENS, logits_to_keep=2), expected,
+                               atol=1e-4, rtol=1e-4)
+    assert calls == [5, 5, 2] and pieces.length == len(TOKENS)
+    torch.testing.assert_close(pieces.features(0, len(TOKENS)), whole.features(0, len(TOKENS)),
+                               atol=1e-4, rtol=1e-4)

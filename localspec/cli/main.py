@@ -1,4 +1,5 @@
-"""Command line: ``localspec generate | bench | verify | quality | presets | export-vllm``.
+"""Command line: ``localspec generate | bench | verify | quality | presets | export-vllm |
+gpucheck``.
 
 Thin: parse flags, validate them against the preset (no model needed), load a preset into a
 Pipeline, call the engine, benchmark or checker, print. Every flag, method and prompt is checked
@@ -128,6 +129,12 @@ def _cmd_quality(args: argparse.Namespace) -> int:
     from localspec.cli.quality import run_quality
 
     return run_quality(args, log=_log_line)
+
+
+def _cmd_gpucheck(args: argparse.Namespace) -> int:
+    from localspec.cli.gpucheck import run_gpucheck_command
+
+    return run_gpucheck_command(args, log=_log_line)
 
 
 def _cmd_presets(args: argparse.Namespace) -> int:
@@ -321,6 +328,18 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("preset_name", metavar="PRESET",
                         help="a shipped preset (see `localspec presets`) or a .toml path")
     export.set_defaults(func=_cmd_export_vllm)
+    gpucheck = sub.add_parser(
+        "gpucheck", help="check and measure the GPU engine on this CUDA machine (random "
+                         "weights built in place; no network needed); writes a report")
+    gpucheck.add_argument("--shapes", choices=("presets", "tiny"), default="presets",
+                          help="the presets' model shapes (7B target, 0.5B draft), or tiny "
+                               "models that run on any device (to test this command)")
+    gpucheck.add_argument("--parts", nargs="+", default=["machine", "correctness", "cost",
+                                                         "speculation", "nf4"],
+                          help="which parts to run (default: all)")
+    gpucheck.add_argument("--out", default="docs", metavar="DIR",
+                          help="folder for the report (default: docs)")
+    gpucheck.set_defaults(func=_cmd_gpucheck)
     _add_train_drafter(sub)
     return parser
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import psutil
 
-from localspec.config import DTYPES, HARDWARE, HEAD_METHODS, Preset, cache_root
+from localspec.config import DEFAULT_CONTEXT, DTYPES, HARDWARE, HEAD_METHODS, Preset, cache_root
 from localspec.models.builtin import BUILTIN_MODELS
 
 GIB = 1024**3
@@ -32,7 +32,6 @@ DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float16": 2, "float32": 4}
 # Memory of each hardware class, as the preset's ``hardware`` names it.
 HARDWARE_MEMORY = {"gpu-8gb": 8 * GIB, "gpu-12gb": 12 * GIB, "gpu-16gb": 16 * GIB,
                    "gpu-24gb": 24 * GIB, "h100-80gb": 80 * GIB}
-DEFAULT_CONTEXT = 4096  # tokens of KV cache the estimate reserves (prompt + answer)
 RUNTIME_OVERHEAD = GIB // 2  # CUDA context / PyTorch runtime, allocator slack
 WEIGHT_MARGIN = 0.05  # temporary buffers while loading and running, as a share of the weights
 
