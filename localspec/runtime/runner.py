@@ -10,13 +10,14 @@ The Hugging Face forward keeps a ``DynamicCache`` (it grows as tokens come), or,
 ``static_cache=N``, a ``StaticCache`` of N positions allocated once: rollback and reset move
 its length and nothing else (positions past the length are masked out by the causal mask and
 overwritten by the next forward), and its tensors keep their addresses, which is what CUDA
-graphs need. ``cuda_graphs=True`` (CUDA and a static cache only) runs each forward of up to
+graphs need. ``cuda_graphs=True`` (with a static cache) runs each forward of up to
 ``GRAPH_WIDTHS[-1]`` tokens as a CUDA graph compiled once per width bucket
 (``torch.compile(mode="reduce-overhead")``): a feed of n tokens is padded to the next bucket
 with copies of its last token at the following positions, whose keys and values land past
 the length and are dropped as stale (no real row attends to a later position). An eager pass
 of a 7B model on an H200 is launch-bound (~20 ms against ~6 ms of kernels, issue 8): the graph
-replays the kernels without Python in between.
+replays the kernels without Python in between. Off CUDA the same step is traced with the
+compiler's eager backend (no graphs): how the padding and cropping are tested on a CPU.
 
 Why ``logits_fp32``: in bfloat16 a batched verify pass and one-token-at-a-time decoding can
 pick different argmaxes when two logits are close (bf16 logits are spaced 0.125 apart at
@@ -112,8 +113,7 @@ class ModelRunner:
         self._kept: dict[str, torch.Tensor] = {}  # the final norm's input (graphed runs)
         if cuda_graphs:
             # A hook that stays registered: a compiled graph is traced with its hooks, and
-            # one added per call would recompile it. Off CUDA (tests) the same tracing runs
-            # with the eager backend: no graphs, the same padding, cropping and outputs.
+            # one added per call would recompile it.
             if self._norm is not None:
                 self._norm.register_forward_pre_hook(
                     lambda _m, args: self._kept.__setitem__("pre_norm", args[0]))
@@ -137,7 +137,7 @@ class ModelRunner:
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         cache.early_initialization(1, getattr(c, "num_key_value_heads", None)
                                    or c.num_attention_heads, head_dim,
-                                   self.backbone.embed_tokens.weight.dtype, self.device)
+                                   self.embedding_weight().dtype, self.device)
         return cache
 
     @property
