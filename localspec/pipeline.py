@@ -156,7 +156,14 @@ class Pipeline:
         if self._runner is None:
             self._runner = self.target.runner(logits_fp32=self.preset.localspec.logits_fp32,
                                               **self._graph_options(self.target))
+            self._runner.compile_graphs()
         return self._runner
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether the target's forwards run as CUDA graphs (compiled when its runner is
+        made: the app says so while it waits)."""
+        return bool(self._graph_options(self.target))
 
     def _graph_options(self, loaded: LoadedModel) -> dict[str, object]:
         """Static cache and CUDA graphs where the preset asks for them and the model runs
@@ -191,8 +198,10 @@ class Pipeline:
                               f"preset '{self.preset.name}' was loaded without one")
         rows = frequent_token_rows(self.draft.tokenizer, self.preset.localspec.draft_vocab_size,
                                    self.draft.vocab_size)
+        runner = self.draft.runner(vocab_rows=rows, **self._graph_options(self.draft))
+        runner.compile_graphs()
         return DraftModelDrafter(
-            self.draft.runner(vocab_rows=rows, **self._graph_options(self.draft)),
+            runner,
             target_vocab_size=self.target_runner().vocab_size,
             tokenizer_vocab_size=len(self.tokenizer),
             confidence_threshold=self.preset.localspec.draft_confidence_threshold,

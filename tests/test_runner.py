@@ -165,6 +165,33 @@ def test_graphed_runner_pads_to_its_buckets_and_equals_eager(dtype: torch.dtype)
         ModelRunner(model, cuda_graphs=True)
 
 
+def test_compile_graphs_compiles_every_bucket_before_the_first_answer(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``compile_graphs`` on an empty runner compiles each width bucket, with and without
+    hidden states, and leaves the runner empty: the forwards after it compile nothing more.
+    (Two buckets here: each compile takes seconds even with the eager backend.)"""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(runner_module, "GRAPH_WIDTHS", (1, 4))
+    torch._dynamo.reset()  # other tests' compiled variants count against the same limit
+    model = make_tiny_model(seed=0)
+    runner = ModelRunner(model, static_cache=128, cuda_graphs=True)
+    before = counters["stats"]["unique_graphs"]
+    runner.compile_graphs()
+    compiled = counters["stats"]["unique_graphs"] - before
+    assert compiled == 2 * 2
+    assert runner.length == 0 and runner.cache.get_seq_length() == 0
+    eager = ModelRunner(model, static_cache=128)
+    runner.record_features((1, 2))
+    for width in (1, 3, 4):  # 3 runs padded to 4
+        feed = TOKENS[:width]
+        torch.testing.assert_close(runner.forward(feed), eager.forward(feed), atol=1e-4,
+                                   rtol=1e-4)
+        runner.reset()
+        eager.reset()
+    assert counters["stats"]["unique_graphs"] - before == compiled
+
+
 def test_long_prefill_runs_in_pieces(target_model: PreTrainedModel,
                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """A prompt longer than PREFILL_CHUNK whose leading logits are not wanted is fed in

@@ -313,6 +313,18 @@ class ModelRunner:
                             position_ids=positions, output_hidden_states=hidden)
         return out.last_hidden_state, tuple(out.hidden_states) if hidden else ()
 
+    @torch.inference_mode()
+    def compile_graphs(self) -> None:
+        """Compile the graphed step for every width bucket, with and without hidden states,
+        now: on a GPU each capture takes seconds (about a minute in all), better paid while a
+        preset loads than inside the first answer. Only on an empty runner; leaves it empty."""
+        if self._graphed is None or self.length:
+            return
+        for width in GRAPH_WIDTHS:
+            for hidden in (False, True):
+                self._backbone([0] * width, hidden)
+                self.cache.crop(-width)
+
     def crop(self, length: int) -> None:
         """Roll the cache back so that it holds the first ``length`` tokens."""
         if length < self.length and self.decoder is not None:

@@ -104,7 +104,9 @@ class ModelHost:
             # share the old one's models, which must not run two passes at once.
             with self.generation_lock:
                 if self._warm_up:
-                    self._progress("warming up (a first short answer)", 1.0)
+                    self._progress("compiling for this GPU (once, ~1 min)" if
+                                   pipeline.cuda_graphs else "warming up (a first short answer)",
+                                   1.0)
                     warm_up(pipeline)
                 with self._state_lock:
                     self._pipeline, self._active, self._error = pipeline, key, None
