@@ -82,6 +82,7 @@ class ModelRunner:
         self.feature_layers: tuple[int, ...] | None = None  # see record_features
         self._features: torch.Tensor | None = None  # [capacity, len(feature_layers) * hidden]
         self._features_from = 0  # positions before this were fed while not recording
+        self._graphed = None  # the compiled step (cuda_graphs; Hugging Face forward only)
         if decoder is not None:
             # int8 logits are exact int32 sums, the same in any batch: no float32 refinement.
             self.lean_cache: KVCache = decoder.new_cache()
@@ -109,7 +110,6 @@ class ModelRunner:
         if cuda_graphs and not static_cache:
             raise ValueError("cuda_graphs needs a static cache (static_cache=N)")
         self.cache = self._new_cache()
-        self._graphed = None
         self._kept: dict[str, torch.Tensor] = {}  # the final norm's input (graphed runs)
         if cuda_graphs:
             # A hook that stays registered: a compiled graph is traced with its hooks, and
