@@ -23,20 +23,18 @@ import shlex
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from transformers.utils import logging as transformers_logging
 
 from localspec.cli.loading import load_pipeline
+from localspec.cli.options import add_gpucheck, add_train_drafter, count
 from localspec.config import (
-    ANSWER_SOURCES,
     DEFAULT_PRESET,
     HARDWARE_LABELS,
     MAX_BENCH_REPEATS,
-    MAX_NEW_TOKENS,
     MAX_NUM_SAMPLES,
-    MAX_SPECULATIVE_TOKENS,
     METHODS,
     cache_root,
 )
@@ -54,23 +52,6 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default=DEFAULT_PRESET,
                         help="a shipped preset (see `localspec presets`) or a .toml path")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-
-
-def _count(maximum: int, minimum: int = 1) -> Callable[[str], int]:
-    """An argparse type: an integer from ``minimum`` to ``maximum`` (argparse reports it,
-    exit 2)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-        if not minimum <= value <= maximum:
-            raise argparse.ArgumentTypeError(f"must be between {minimum} and {maximum}, got "
-                                             f"{value}")
-        return value
-
-    return parse
 
 
 def _log_line(line: str) -> None:
@@ -183,87 +164,6 @@ def _cmd_train_drafter(args: argparse.Namespace) -> int:
     return run_train_drafter(args, log=_log_line)
 
 
-def _learning_rate(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return value
-
-
-def _add_train_drafter(sub: argparse._SubParsersAction) -> None:
-    train = sub.add_parser("train-drafter", help="train an EAGLE, EAGLE-3 or Medusa head for "
-                                                 "a target, on this machine")
-    train.add_argument("--method", required=True, help="eagle, eagle3 or medusa")
-    train.add_argument("--target", default=None, metavar="MODEL",
-                       help="built-in name, folder, .gguf or Hugging Face repo id")
-    train.add_argument("--preset", default=None,
-                       help="train on this preset's target as it is served (quantization "
-                            "included); --target replaces its model")
-    train.add_argument("--out", required=True, metavar="DIR",
-                       help="folder for the head (config.json, model.safetensors), its "
-                            "checkpoint and training.json")
-    train.add_argument("--corpus", action="extend", nargs="+", default=None, metavar="PATH",
-                       help=".py/.txt/.md/.rst files or folders (default: the Python "
-                            "standard library's sources)")
-    train.add_argument("--format", choices=("auto", "chat", "raw"), default="auto",
-                       help="wrap documents in the target's chat template (auto: when it has "
-                            "one) or feed raw text")
-    train.add_argument("--answers", choices=ANSWER_SOURCES, default="corpus",
-                       help="the documents' answers as written (corpus), or the target's own "
-                            "greedy answers to their requests (target: self-distillation, "
-                            "generated once and cached; ~30 min for 50k tokens on 2 cores)")
-    train.add_argument("--answer-tokens", type=_count(MAX_NEW_TOKENS), default=384,
-                       help="the longest answer the target writes with --answers target "
-                            "(default: %(default)s)")
-    train.add_argument("--init", default=None, metavar="HEAD",
-                       help="start from this trained head (a folder or built-in head of the "
-                            "same method and target) instead of a new one; its sizes and draft "
-                            "vocabulary are kept")
-    train.add_argument("--tokens", type=_count(10**9), default=81_920,
-                       help="corpus tokens to compute target features for (~7 min for the "
-                            "bundled 1.5B in w8a8 on 2 cores; default: %(default)s)")
-    train.add_argument("--steps", type=_count(10**7), default=120,
-                       help="training steps (~1.5 passes over the default tokens; default: "
-                            "%(default)s)")
-    train.add_argument("--batch", type=_count(4096), default=2,
-                       help="chunks per step (default: %(default)s)")
-    train.add_argument("--seq-len", type=_count(2**20), default=512,
-                       help="tokens per chunk (default: %(default)s)")
-    train.add_argument("--lr", type=_learning_rate, default=1e-3,
-                       help="peak learning rate (default: %(default)s)")
-    train.add_argument("--unroll", type=_count(16, minimum=0), default=3,
-                       help="EAGLE: extra draft steps trained on the head's own "
-                            "outputs (default: %(default)s)")
-    train.add_argument("--intermediate-size", type=_count(2**20), default=None,
-                       help="EAGLE MLP width (default: hidden x 5/3 for eagle, / 3 for eagle3)")
-    train.add_argument("--attention-heads", type=_count(1024), default=4,
-                       help="EAGLE attention heads, of the target's head size (default: "
-                            "%(default)s)")
-    train.add_argument("--draft-vocab", type=_count(10**7), default=4096,
-                       help="EAGLE-3 draft vocabulary; EAGLE/Medusa training softmax "
-                            "rows (default: %(default)s)")
-    train.add_argument("--heads", type=_count(MAX_SPECULATIVE_TOKENS), default=4,
-                       help="Medusa heads (default: %(default)s)")
-    train.add_argument("--medusa-layers", type=_count(8), default=1,
-                       help="residual blocks per Medusa head (default: %(default)s)")
-    train.add_argument("--eval-prompts", type=_count(1000, minimum=0), default=4,
-                       help="held-out prompts to measure acceptance on, 0 to skip "
-                            "(default: %(default)s)")
-    train.add_argument("--eval-tokens", type=_count(MAX_NEW_TOKENS), default=64,
-                       help="tokens generated per held-out prompt (default: %(default)s)")
-    train.add_argument("--eval-k", type=_count(MAX_SPECULATIVE_TOKENS), default=5,
-                       help="draft length while measuring acceptance (default: %(default)s)")
-    train.add_argument("--seed", type=_count(2**31, minimum=0), default=0)
-    train.add_argument("--checkpoint-every", type=_count(10**7), default=25, metavar="STEPS")
-    train.add_argument("--resume", action="store_true",
-                       help="continue the checkpoint in --out (same settings; --steps may grow)")
-    train.add_argument("--json", action="store_true", help="print one JSON object")
-    train.set_defaults(func=_cmd_train_drafter)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="localspec", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -281,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None,
                      help="first seed; sample i uses seed + i (all must fit in 64 bits)")
     gen.add_argument("--num-speculative-tokens", type=int, default=None)
-    gen.add_argument("--num-samples", type=_count(MAX_NUM_SAMPLES), default=1)
+    gen.add_argument("--num-samples", type=count(MAX_NUM_SAMPLES), default=1)
     gen.set_defaults(func=_cmd_generate)
 
     bench = sub.add_parser("bench", help="compare methods side by side on a prompt set")
@@ -291,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma-separated (default: none,draft_model,ngram,hf-assisted,"
                             "hf-lookup, less those needing a draft model the preset lacks)")
     bench.add_argument("--max-new-tokens", type=int, default=128)
-    bench.add_argument("--repeats", type=_count(MAX_BENCH_REPEATS), default=1)
+    bench.add_argument("--repeats", type=count(MAX_BENCH_REPEATS), default=1)
     bench.add_argument("--simulate-acceptance", default=None, metavar="A[,A...]",
                        help="also run draft_model@A: the draft model's real cost, but drafts "
                             "that are the target's own greedy tokens, each kept with "
@@ -328,19 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("preset_name", metavar="PRESET",
                         help="a shipped preset (see `localspec presets`) or a .toml path")
     export.set_defaults(func=_cmd_export_vllm)
-    gpucheck = sub.add_parser(
-        "gpucheck", help="check and measure the GPU engine on this CUDA machine (random "
-                         "weights built in place; no network needed); writes a report")
-    gpucheck.add_argument("--shapes", choices=("presets", "tiny"), default="presets",
-                          help="the presets' model shapes (7B target, 0.5B draft), or tiny "
-                               "models that run on any device (to test this command)")
-    gpucheck.add_argument("--parts", nargs="+", default=["machine", "correctness", "cost",
-                                                         "speculation", "nf4"],
-                          help="which parts to run (default: all)")
-    gpucheck.add_argument("--out", default="docs", metavar="DIR",
-                          help="folder for the report (default: docs)")
-    gpucheck.set_defaults(func=_cmd_gpucheck)
-    _add_train_drafter(sub)
+    add_gpucheck(sub, _cmd_gpucheck)
+    add_train_drafter(sub, _cmd_train_drafter)
     return parser
 
 

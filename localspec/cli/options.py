@@ -1,0 +1,130 @@
+"""The flags of the longer subcommands, kept out of ``main`` so that each module reads in one
+sitting; torch-free like ``main``, so ``--help`` and flag errors stay fast."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+from localspec.config import (
+    ANSWER_SOURCES,
+    MAX_NEW_TOKENS,
+    MAX_SPECULATIVE_TOKENS,
+)
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def count(maximum: int, minimum: int = 1) -> Callable[[str], int]:
+    """An argparse type: an integer from ``minimum`` to ``maximum`` (argparse reports it,
+    exit 2)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if not minimum <= value <= maximum:
+            raise argparse.ArgumentTypeError(f"must be between {minimum} and {maximum}, got "
+                                             f"{value}")
+        return value
+
+    return parse
+
+
+def learning_rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def add_train_drafter(sub: argparse._SubParsersAction, handler: Handler) -> None:
+    """``train-drafter``'s flags (``cli/train_drafter`` runs it)."""
+    train = sub.add_parser("train-drafter", help="train an EAGLE, EAGLE-3 or Medusa head for "
+                                                 "a target, on this machine")
+    train.add_argument("--method", required=True, help="eagle, eagle3 or medusa")
+    train.add_argument("--target", default=None, metavar="MODEL",
+                       help="built-in name, folder, .gguf or Hugging Face repo id")
+    train.add_argument("--preset", default=None,
+                       help="train on this preset's target as it is served (quantization "
+                            "included); --target replaces its model")
+    train.add_argument("--out", required=True, metavar="DIR",
+                       help="folder for the head (config.json, model.safetensors), its "
+                            "checkpoint and training.json")
+    train.add_argument("--corpus", action="extend", nargs="+", default=None, metavar="PATH",
+                       help=".py/.txt/.md/.rst files or folders (default: the Python "
+                            "standard library's sources)")
+    train.add_argument("--format", choices=("auto", "chat", "raw"), default="auto",
+                       help="wrap documents in the target's chat template (auto: when it has "
+                            "one) or feed raw text")
+    train.add_argument("--answers", choices=ANSWER_SOURCES, default="corpus",
+                       help="the documents' answers as written (corpus), or the target's own "
+                            "greedy answers to their requests (target: self-distillation, "
+                            "generated once and cached; ~30 min for 50k tokens on 2 cores)")
+    train.add_argument("--answer-tokens", type=count(MAX_NEW_TOKENS), default=384,
+                       help="the longest answer the target writes with --answers target "
+                            "(default: %(default)s)")
+    train.add_argument("--init", default=None, metavar="HEAD",
+                       help="start from this trained head (a folder or built-in head of the "
+                            "same method and target) instead of a new one; its sizes and draft "
+                            "vocabulary are kept")
+    train.add_argument("--tokens", type=count(10**9), default=81_920,
+                       help="corpus tokens to compute target features for (~7 min for the "
+                            "bundled 1.5B in w8a8 on 2 cores; default: %(default)s)")
+    train.add_argument("--steps", type=count(10**7), default=120,
+                       help="training steps (~1.5 passes over the default tokens; default: "
+                            "%(default)s)")
+    train.add_argument("--batch", type=count(4096), default=2,
+                       help="chunks per step (default: %(default)s)")
+    train.add_argument("--seq-len", type=count(2**20), default=512,
+                       help="tokens per chunk (default: %(default)s)")
+    train.add_argument("--lr", type=learning_rate, default=1e-3,
+                       help="peak learning rate (default: %(default)s)")
+    train.add_argument("--unroll", type=count(16, minimum=0), default=3,
+                       help="EAGLE: extra draft steps trained on the head's own "
+                            "outputs (default: %(default)s)")
+    train.add_argument("--intermediate-size", type=count(2**20), default=None,
+                       help="EAGLE MLP width (default: hidden x 5/3 for eagle, / 3 for eagle3)")
+    train.add_argument("--attention-heads", type=count(1024), default=4,
+                       help="EAGLE attention heads, of the target's head size (default: "
+                            "%(default)s)")
+    train.add_argument("--draft-vocab", type=count(10**7), default=4096,
+                       help="EAGLE-3 draft vocabulary; EAGLE/Medusa training softmax "
+                            "rows (default: %(default)s)")
+    train.add_argument("--heads", type=count(MAX_SPECULATIVE_TOKENS), default=4,
+                       help="Medusa heads (default: %(default)s)")
+    train.add_argument("--medusa-layers", type=count(8), default=1,
+                       help="residual blocks per Medusa head (default: %(default)s)")
+    train.add_argument("--eval-prompts", type=count(1000, minimum=0), default=4,
+                       help="held-out prompts to measure acceptance on, 0 to skip "
+                            "(default: %(default)s)")
+    train.add_argument("--eval-tokens", type=count(MAX_NEW_TOKENS), default=64,
+                       help="tokens generated per held-out prompt (default: %(default)s)")
+    train.add_argument("--eval-k", type=count(MAX_SPECULATIVE_TOKENS), default=5,
+                       help="draft length while measuring acceptance (default: %(default)s)")
+    train.add_argument("--seed", type=count(2**31, minimum=0), default=0)
+    train.add_argument("--checkpoint-every", type=count(10**7), default=25, metavar="STEPS")
+    train.add_argument("--resume", action="store_true",
+                       help="continue the checkpoint in --out (same settings; --steps may grow)")
+    train.add_argument("--json", action="store_true", help="print one JSON object")
+    train.set_defaults(func=handler)
+
+
+def add_gpucheck(sub: argparse._SubParsersAction, handler: Handler) -> None:
+    """``gpucheck``'s flags (``cli/gpucheck`` runs it)."""
+    gpucheck = sub.add_parser(
+        "gpucheck", help="check and measure the GPU engine on this CUDA machine (random "
+                         "weights built in place; no network needed); writes a report")
+    gpucheck.add_argument("--shapes", choices=("presets", "tiny"), default="presets",
+                          help="the presets' model shapes (7B target, 0.5B draft), or tiny "
+                               "models that run on any device (to test this command)")
+    gpucheck.add_argument("--parts", nargs="+", default=["machine", "correctness", "cost",
+                                                         "speculation", "nf4"],
+                          help="which parts to run (default: all)")
+    gpucheck.add_argument("--out", default="docs", metavar="DIR",
+                          help="folder for the report (default: docs)")
+    gpucheck.set_defaults(func=handler)
