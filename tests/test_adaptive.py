@@ -103,16 +103,52 @@ def test_no_acceptance_expensive_drafts_stop_drafting_with_sparse_probes() -> No
     assert run(9, 0.0, 0.02) == [0] * 8 + [1]
 
 
-@pytest.mark.parametrize(("draft_time", "probe_k"), [(0.02, 1), (0.004, 2), (0.0, 8)])
-def test_probe_drafts_cost_at_most_half_a_verify_pass(draft_time: float, probe_k: int) -> None:
-    """A probe after plain steps drafts what costs half a verify pass (0.02 s here): one token
-    of a costly draft model, the full k of free n-gram lookup."""
+@pytest.mark.parametrize(("draft_time", "per_token", "probe_k"),
+                         [(0.02, 0.0, 1), (0.004, 0.0, 2), (0.0, 0.0, 8), (0.0, 0.003, 3)])
+def test_probe_adds_at_most_half_a_plain_step(draft_time: float, per_token: float,
+                                               probe_k: int) -> None:
+    """A probe after plain steps drafts what adds at most half a plain step (0.02 s here),
+    drafting and the wider verify pass together: one token of a costly draft model; the full
+    k of free lookup when the pass costs the same at any width; three when each verified
+    token adds 3 ms."""
     controller = AdaptiveK(k_max=8)
-    for _ in range(30):  # rejected, and the verify pass grows steeply with width: k = 0 wins
-        controller.update(drafted=4, accepted=0, draft_time=4 * draft_time, verify_time=0.1)
-        controller.update(drafted=0, accepted=0, draft_time=0.0, verify_time=0.02)
+
+    def verify(n: int) -> float:
+        return 0.02 + per_token * (n - 1)
+
+    for _ in range(30):  # drafts rejected: k = 0 wins
+        for drafted in range(9):
+            controller.update(drafted=drafted, accepted=0, draft_time=drafted * draft_time,
+                              verify_time=verify(drafted + 1))
     choices = [controller.choose() for _ in range(9)]
     assert choices == [0] * 8 + [probe_k]
+
+
+def test_a_sure_guess_is_probed_at_once_until_sure_guesses_miss() -> None:
+    """While drafting is off, a sure guess (lookup matched its longest n-gram) is probed at the
+    next step instead of after the interval; each miss doubles the plain steps the next sure
+    probe waits for (1, 2, 4, ...), and an accepted one makes the next sure guess wait for none."""
+    controller = AdaptiveK(k_max=8)
+    for _ in range(30):  # rejected, each drafted token adds 10 ms: k = 0 wins
+        for drafted in range(9):
+            controller.update(drafted=drafted, accepted=0, draft_time=0.0,
+                              verify_time=0.02 + 0.01 * drafted)
+
+    def steps(count: int, accepted: int) -> list[int]:
+        choices = []
+        for _ in range(count):
+            k = controller.choose(sure=True)
+            choices.append(k)
+            controller.update(drafted=k, accepted=min(k, accepted), draft_time=0.0,
+                              verify_time=0.02 + 0.01 * k)
+        return choices
+
+    assert controller.choose() == 0
+    misses = steps(11, accepted=0)  # probes at once, then after 1, 2 and 4 plain steps
+    assert [i for i, k in enumerate(misses) if k] == [0, 2, 5, 10]
+    assert set(misses) == {0, 1}  # a probe's k: what adds at most half a plain step
+    controller._sure_gap = 0  # the next sure probe is accepted: the one after comes at once
+    assert steps(2, accepted=1) == [1, 1]
 
 
 def test_alpha_prior_and_estimate() -> None:
@@ -138,7 +174,8 @@ def test_verify_cost_linear_fit_recovers_line() -> None:
 
 
 def test_verify_cost_constant_n_and_negative_slope() -> None:
-    """One n only: the mean time. A decreasing trend is clipped to a flat cost (slope >= 0)."""
+    """One n only: the mean time. A decreasing trend is clipped to a flat line (slope >= 0)
+    for widths not yet measured."""
     flat = AdaptiveK(k_max=4)
     for _ in range(10):
         flat.update(drafted=3, accepted=3, draft_time=0.0, verify_time=0.03)
@@ -148,7 +185,24 @@ def test_verify_cost_constant_n_and_negative_slope() -> None:
     for step in range(20):
         n = 1 + step % 4
         falling.update(drafted=n - 1, accepted=0, draft_time=0.0, verify_time=0.05 - 0.01 * n)
-    assert falling.verify_cost(1) == pytest.approx(falling.verify_cost(4))
+    assert falling.verify_cost(6) == pytest.approx(falling.verify_cost(9))
+
+
+def test_each_measured_width_is_priced_at_its_own_mean() -> None:
+    """Passes over 1-3 tokens cost the same, then each token adds 8 ms (this CPU's shape): a
+    measured width gets its own price, not the line's, so two free n-gram drafts accepted a
+    third of the time are worth taking (the line put them ~15% above one token)."""
+    def pass_time(n: int) -> float:
+        return 0.044 + 0.008 * max(0, n - 3)
+
+    controller = AdaptiveK(k_max=8)
+    for step in range(60):
+        drafted = (0, 2, 6)[step % 3]
+        controller.update(drafted=drafted, accepted=int(step % 9 == 1), draft_time=1e-5 * drafted,
+                          verify_time=pass_time(drafted + 1))
+    for n in (1, 3, 7):
+        assert controller.verify_cost(n) == pytest.approx(pass_time(n), rel=0.02)
+    assert controller.choose() == 2
 
 
 def test_bimodal_acceptance_is_seen_per_position() -> None:

@@ -152,6 +152,7 @@ def test_lookup_first_prefers_lookup(close_draft_model: PreTrainedModel) -> None
     generator = torch.Generator().manual_seed(0)
     hit = drafter.propose(PROMPTS["repetitive"], 3, HOT, generator)
     assert hit.tokens == [12, 13, 14] and hit.q_draft is None
+    assert drafter.sure(PROMPTS["repetitive"]) and not drafter.sure(PROMPTS["random-a"])
     assert model.runner.length == 0  # the draft model was not run
     miss = drafter.propose(PROMPTS["random-a"], 3, HOT, generator)
     assert len(miss.tokens) == 3 and miss.q_draft is not None

@@ -38,6 +38,17 @@ def test_find_ngram_continuation(context: list[int], k: int, max_n: int, min_n: 
     assert find_ngram_continuation(np.array(context), k, max_n, min_n) == expected
 
 
+@pytest.mark.parametrize(("context", "sure"), [
+    ([1, 2, 3, 9, 1, 2, 3], True),  # the last 3 tokens occurred before
+    ([1, 2, 3, 9, 4, 2, 3], False),  # only the last 2 did: a weaker match
+    ([5, 5, 5, 5], True),  # an overlapping earlier occurrence counts
+    ([1, 2], False),  # too short to hold an earlier 3-gram
+])
+def test_sure_needs_a_match_of_prompt_lookup_max(context: list[int], sure: bool) -> None:
+    """``sure`` (a probe while drafting is off) only for a match of the longest n-gram."""
+    assert NgramDrafter(prompt_lookup_max=3).sure(context) is sure
+
+
 def test_ngram_drafter_proposal_is_one_hot() -> None:
     """NgramDrafter returns the lookup result as a deterministic (q=None) proposal."""
     drafter = NgramDrafter(prompt_lookup_max=3, prompt_lookup_min=1)

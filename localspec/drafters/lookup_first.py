@@ -28,6 +28,10 @@ class LookupFirstDrafter:
         self.lookup.reset()
         self.model.reset()
 
+    def sure(self, context: list[int]) -> bool:
+        """Lookup's evidence (see ``NgramDrafter.sure``)."""
+        return self.lookup.sure(context)
+
     def propose(
         self,
         context: list[int],

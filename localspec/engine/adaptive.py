@@ -11,8 +11,11 @@ when long drafts pay. We estimate
     shrunk towards alpha = accepted / (accepted + rejections) (the geometric MLE) where a
     position has little data;
   * c_draft from measured draft time per drafted token;
-  * c_verify(n) = a + b * n from measured verify times, by least squares with forgetting
-    (a forward pass over 1 to 16 tokens costs nearly the same on a CPU: b is small),
+  * c_verify(n) as the mean measured time of passes over n tokens, with forgetting, shrunk
+    towards a least-squares line a + b * n through all widths (what a width not yet tried is
+    priced at). One line is not enough: on this CPU the first few tokens of a pass cost little
+    (~4 ms each over ~45 ms) and from ~6 on each adds ~8 ms, so a line through both priced
+    short drafts too dear and long ones too cheap,
 and we keep both robust to stalls: a time can only be too long (another program took the CPU,
 a first call set up its kernels), so a step slower than STALL_FACTOR times the estimate counts
 as that bound, and one faster than half the estimate replaces the history it contradicts.
@@ -23,7 +26,12 @@ wins when the drafter keeps missing: then drafting stops, so speculation is neve
 plain decoding by more than the probes. A probe follows a run of plain
 steps whose length doubles after each failed probe (8, 16, ... up to 128 steps), so acceptance
 can recover when the text changes (a long quote, a repeated block) at a cost of at most one
-draft per 8 steps. This replaces a fixed "+2 on success, -1 on failure" rule.
+probe per 8 steps; a probe drafts what adds at most half a plain step. A drafter that can tell
+for free that its next guess is well founded (n-gram lookup matching its longest n-gram) has
+it probed at once instead: on a code edit whose first guesses miss, the answer reaches the
+prompt's code again long before the interval runs out. Each such probe that misses doubles
+the plain steps the next one waits (1, 2, 4, ...), which bounds their cost when guesses only
+look sure. This replaces a fixed "+2 on success, -1 on failure" rule.
 """
 
 from __future__ import annotations
@@ -32,13 +40,14 @@ from dataclasses import dataclass, field
 
 FIRST_PROBE_INTERVAL = 8  # plain steps before drafting is tried again
 MAX_PROBE_INTERVAL = 128
-PROBE_BUDGET = 0.5  # a probe's drafts cost at most this share of a verify pass
+PROBE_BUDGET = 0.5  # a probe step costs at most this share more than a plain step
 STALL_FACTOR = 3.0  # a measured time counts as at most this many times its estimate
 FIRST_K = 4  # drafts of the first step, before anything is measured
 # Drafting must promise this much more than plain decoding: estimates err, and a draft step
 # that merely breaks even loses to plain once its errors are paid (a chat reply at 50%
 # acceptance drafted one token every few steps and ran at 0.93x plain).
 DRAFT_MARGIN = 0.05
+WIDTH_PRIOR = 0.5  # the line's weight, in passes, against a width's own measured passes
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -69,9 +78,16 @@ class AdaptiveK:
     _st: float = field(default=0.0, init=False)
     _snn: float = field(default=0.0, init=False)
     _snt: float = field(default=0.0, init=False)
+    # per width n: weighted count and time of the passes over n tokens
+    _width_w: dict[int, float] = field(default_factory=dict, init=False)
+    _width_t: dict[int, float] = field(default_factory=dict, init=False)
     # plain steps (k = 0) before the next probe, and how many have run
     _probe_interval: int = field(default=FIRST_PROBE_INTERVAL, init=False)
     _plain_steps: int = field(default=0, init=False)
+    # plain steps a sure probe waits for (doubles while sure probes miss), and whether the
+    # step under way is one
+    _sure_gap: int = field(default=0, init=False)
+    _sure_probe: bool = field(default=False, init=False)
 
     @property
     def alpha(self) -> float:
@@ -97,16 +113,23 @@ class AdaptiveK:
         return self._draft_time / self._draft_count if self._draft_count > 0 else None
 
     def verify_cost(self, n_tokens: int) -> float | None:
+        """Seconds for a pass over n_tokens: this width's mean, shrunk towards the line."""
         if self._w <= 0:
             return None
         mean_n, mean_t = self._sn / self._w, self._st / self._w
         var_n = self._snn / self._w - mean_n**2
         slope = 0.0 if var_n < 1e-9 else max(0.0, (self._snt / self._w - mean_n * mean_t) / var_n)
-        return max(1e-6, mean_t + slope * (n_tokens - mean_n))
+        line = max(1e-6, mean_t + slope * (n_tokens - mean_n))
+        weight = self._width_w.get(n_tokens, 0.0)
+        return (self._width_t.get(n_tokens, 0.0) + WIDTH_PRIOR * line) / (weight + WIDTH_PRIOR)
 
     def update(self, drafted: int, accepted: int, draft_time: float, verify_time: float) -> None:
         """Record one step: how many were drafted and kept, and what it cost."""
         d = self.decay
+        if self._sure_probe:
+            self._sure_probe = False
+            self._sure_gap = 0 if accepted else min(max(1, 2 * self._sure_gap),
+                                                    MAX_PROBE_INTERVAL)
         if drafted > 0:
             self._accepted = d * self._accepted + accepted
             self._rejections = d * self._rejections + (1.0 if accepted < drafted else 0.0)
@@ -128,6 +151,8 @@ class AdaptiveK:
         predicted = self.verify_cost(n)
         if predicted is not None and verify_time < 0.5 * predicted:
             self._w = self._sn = self._st = self._snn = self._snt = 0.0
+            self._width_w.clear()
+            self._width_t.clear()
         elif predicted is not None:
             verify_time = min(verify_time, STALL_FACTOR * predicted)
         self._w = d * self._w + 1.0
@@ -135,8 +160,12 @@ class AdaptiveK:
         self._st = d * self._st + verify_time
         self._snn = d * self._snn + n * n
         self._snt = d * self._snt + n * verify_time
+        self._width_w[n] = d * self._width_w.get(n, 0.0) + 1.0
+        self._width_t[n] = d * self._width_t.get(n, 0.0) + verify_time
 
-    def choose(self) -> int:
+    def choose(self, sure: bool = False) -> int:
+        """The next k. ``sure``: the drafter has strong evidence for its next guess (n-gram
+        lookup matched its longest n-gram), so a probe need not wait out the interval."""
         if not self.enabled or self.k_max == 0:
             return self.k_max
         c_draft, c_verify_1 = self.draft_cost(), self.verify_cost(1)
@@ -153,11 +182,17 @@ class AdaptiveK:
         if best_k > 0:
             self._probe_interval, self._plain_steps = FIRST_PROBE_INTERVAL, 0
             return best_k
-        return self._plain_or_probe()
+        return self._plain_or_probe(sure)
 
-    def _plain_or_probe(self) -> int:
+    def _plain_or_probe(self, sure: bool) -> int:
         """k = 0, except one draft after every ``_probe_interval`` plain steps; the interval
-        doubles while probes keep failing (a success resets it through ``choose``)."""
+        doubles while probes keep failing (a success resets it through ``choose``). A sure
+        guess is probed after ``_sure_gap`` plain steps, at once until one misses; each miss
+        doubles that gap, so guesses that only look sure cost a few probes, not every step."""
+        if sure and self._plain_steps >= self._sure_gap:
+            self._sure_probe = True
+            self._plain_steps = 0
+            return self._probe_k()
         if self._plain_steps < self._probe_interval:
             self._plain_steps += 1
             return 0
@@ -166,9 +201,14 @@ class AdaptiveK:
         return self._probe_k()
 
     def _probe_k(self) -> int:
-        """As many drafts as cost at most half a verify pass: one for a draft model that costs
-        a sizeable part of the target, the full k for lookup, which costs next to nothing."""
-        c_draft, c_verify = self.draft_cost() or 0.0, self.verify_cost(1) or 0.0
-        if c_draft <= 0.0:
-            return self.k_max
-        return max(1, min(self.k_max, int(PROBE_BUDGET * c_verify / c_draft)))
+        """As many drafts as add at most half a plain step's cost, drafting and the wider verify
+        pass together: one token of a draft model that costs a sizeable part of the target,
+        and for lookup, which costs next to nothing, what the verify pass takes at little
+        extra (on this CPU 2-3 drafts; 16 cost 4.5 plain steps when a probe missed)."""
+        c_draft, c_plain = self.draft_cost() or 0.0, self.verify_cost(1) or 0.0
+        best = 1
+        for k in range(2, self.k_max + 1):
+            extra = k * c_draft + (self.verify_cost(k + 1) or c_plain) - c_plain
+            if extra <= PROBE_BUDGET * c_plain:
+                best = k
+        return best

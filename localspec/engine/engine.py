@@ -131,6 +131,9 @@ class SpeculativeEngine:
         self.drafter = drafter
         self.decode = decode
         self.eos_token_ids = set(eos_token_ids)
+        # Lookup drafters say for free when their next guess copies a long match
+        # (``NgramDrafter.sure``); adaptive k probes such a guess while drafting is off.
+        self._sure: Callable[[list[int]], bool] | None = getattr(drafter, "sure", None)
 
     def check(self, request: GenerationRequest) -> int:
         """Validate a request; return the number of new tokens that fit in the context.
@@ -184,7 +187,8 @@ class SpeculativeEngine:
             if cancelled():
                 yield self._final_event(step, stream, "cancelled")
                 return
-            k = min(controller.choose(), max_new - generated)
+            sure = self._sure is not None and self._sure(context)
+            k = min(controller.choose(sure), max_new - generated)
             t0 = time.perf_counter()
             proposal = (
                 self.drafter.propose(context, k, params, generator)
