@@ -11,11 +11,9 @@ when long drafts pay. We estimate
     shrunk towards alpha = accepted / (accepted + rejections) (the geometric MLE) where a
     position has little data;
   * c_draft from measured draft time per drafted token;
-  * c_verify(n) as the mean measured time of passes over n tokens, with forgetting, shrunk
-    towards a least-squares line a + b * n through all widths (what a width not yet tried is
-    priced at). One line is not enough: on this CPU the first few tokens of a pass cost little
-    (~4 ms each over ~45 ms) and from ~6 on each adds ~8 ms, so a line through both priced
-    short drafts too dear and long ones too cheap,
+  * c_verify(n) = a + b * n from measured verify times, by least squares with forgetting
+    (pricing each width at its own measured mean was tried: no faster, and it drafted more
+    on chat, where drafting does not pay),
 and we keep both robust to stalls: a time can only be too long (another program took the CPU,
 a first call set up its kernels), so a step slower than STALL_FACTOR times the estimate counts
 as that bound, and one faster than half the estimate replaces the history it contradicts.
@@ -47,7 +45,6 @@ FIRST_K = 4  # drafts of the first step, before anything is measured
 # that merely breaks even loses to plain once its errors are paid (a chat reply at 50%
 # acceptance drafted one token every few steps and ran at 0.93x plain).
 DRAFT_MARGIN = 0.05
-WIDTH_PRIOR = 0.5  # the line's weight, in passes, against a width's own measured passes
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -78,9 +75,6 @@ class AdaptiveK:
     _st: float = field(default=0.0, init=False)
     _snn: float = field(default=0.0, init=False)
     _snt: float = field(default=0.0, init=False)
-    # per width n: weighted count and time of the passes over n tokens
-    _width_w: dict[int, float] = field(default_factory=dict, init=False)
-    _width_t: dict[int, float] = field(default_factory=dict, init=False)
     # plain steps (k = 0) before the next probe, and how many have run
     _probe_interval: int = field(default=FIRST_PROBE_INTERVAL, init=False)
     _plain_steps: int = field(default=0, init=False)
@@ -113,15 +107,12 @@ class AdaptiveK:
         return self._draft_time / self._draft_count if self._draft_count > 0 else None
 
     def verify_cost(self, n_tokens: int) -> float | None:
-        """Seconds for a pass over n_tokens: this width's mean, shrunk towards the line."""
         if self._w <= 0:
             return None
         mean_n, mean_t = self._sn / self._w, self._st / self._w
         var_n = self._snn / self._w - mean_n**2
         slope = 0.0 if var_n < 1e-9 else max(0.0, (self._snt / self._w - mean_n * mean_t) / var_n)
-        line = max(1e-6, mean_t + slope * (n_tokens - mean_n))
-        weight = self._width_w.get(n_tokens, 0.0)
-        return (self._width_t.get(n_tokens, 0.0) + WIDTH_PRIOR * line) / (weight + WIDTH_PRIOR)
+        return max(1e-6, mean_t + slope * (n_tokens - mean_n))
 
     def update(self, drafted: int, accepted: int, draft_time: float, verify_time: float) -> None:
         """Record one step: how many were drafted and kept, and what it cost."""
@@ -151,8 +142,6 @@ class AdaptiveK:
         predicted = self.verify_cost(n)
         if predicted is not None and verify_time < 0.5 * predicted:
             self._w = self._sn = self._st = self._snn = self._snt = 0.0
-            self._width_w.clear()
-            self._width_t.clear()
         elif predicted is not None:
             verify_time = min(verify_time, STALL_FACTOR * predicted)
         self._w = d * self._w + 1.0
@@ -160,8 +149,6 @@ class AdaptiveK:
         self._st = d * self._st + verify_time
         self._snn = d * self._snn + n * n
         self._snt = d * self._snt + n * verify_time
-        self._width_w[n] = d * self._width_w.get(n, 0.0) + 1.0
-        self._width_t[n] = d * self._width_t.get(n, 0.0) + verify_time
 
     def choose(self, sure: bool = False) -> int:
         """The next k. ``sure``: the drafter has strong evidence for its next guess (n-gram
