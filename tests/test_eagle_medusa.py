@@ -121,7 +121,8 @@ def test_recorded_features_are_the_targets_hidden_states(path: str) -> None:
 @pytest.mark.parametrize("path", ["hf", "lean"])
 @pytest.mark.parametrize("method", METHODS)
 def test_greedy_output_equals_plain_decoding(method: str, path: str) -> None:
-    """Random heads on a random target: the output is the plain greedy output."""
+    """Random heads on a random target: the output is the plain greedy output. The engines
+    share the runner, and plain decoding records no features although the head asked."""
     model = llama_target()
     runner = RUNNERS[path](model)
     plain = SpeculativeEngine(runner, None, decode, set())
@@ -129,6 +130,7 @@ def test_greedy_output_equals_plain_decoding(method: str, path: str) -> None:
                                 decode, set())
     for prompt in PROMPTS:
         reference = collect(plain, request(prompt))[0]
+        assert runner.feature_layers is None
         tokens, events = collect(drafted, request(prompt))
         assert tokens == reference
         assert all(len(e.drafted) == e.k > 0 for e in events)  # it drafted at every step

@@ -175,6 +175,9 @@ class SpeculativeEngine:
         stream = _TextStream(self.decode, request.stop_strings)
 
         self.target.reset()
+        # Hidden states are kept only for a drafter that reads them: a head drafter asks
+        # again in its reset, and the engines of one preset share the target runner.
+        self.target.record_features(None)
         if self.drafter is not None:
             self.drafter.reset()
         context = list(request.prompt_ids)
