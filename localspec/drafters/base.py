@@ -6,7 +6,10 @@ has a distribution (a draft model) or ``None`` when it is deterministic (n-gram 
 keeps whatever state it needs (a KV cache) in step with the context by itself, so the engine
 never has to tell it what was rejected: the next ``propose`` call simply shows the new context.
 
-EAGLE and Medusa heads slot in by implementing the same two methods.
+EAGLE and Medusa heads slot in by implementing the same two methods. A drafter that can tell
+for free when its next guess is well founded (n-gram lookup: the context's longest n-gram
+occurred before) may also offer ``sure(context) -> bool``; adaptive k then probes such a guess
+while drafting is off (``AdaptiveK.choose``).
 """
 
 from __future__ import annotations
