@@ -104,13 +104,13 @@ def test_no_acceptance_expensive_drafts_stop_drafting_with_sparse_probes() -> No
 
 
 @pytest.mark.parametrize(("draft_time", "per_token", "probe_k"),
-                         [(0.02, 0.0, 1), (0.004, 0.0, 2), (0.0, 0.0, 8), (0.0, 0.003, 3)])
+                         [(0.02, 0.0, 1), (0.004, 0.0, 2), (0.0, 0.0, FIRST_K), (0.0, 0.003, 3)])
 def test_probe_adds_at_most_half_a_plain_step(draft_time: float, per_token: float,
                                                probe_k: int) -> None:
     """A probe after plain steps drafts what adds at most half a plain step (0.02 s here),
-    drafting and the wider verify pass together: one token of a costly draft model; the full
-    k of free lookup when the pass costs the same at any width; three when each verified
-    token adds 3 ms."""
+    drafting and the wider verify pass together, and at most FIRST_K: one token of a costly
+    draft model; FIRST_K of free lookup when the pass costs the same at any width; three when
+    each verified token adds 3 ms."""
     controller = AdaptiveK(k_max=8)
 
     def verify(n: int) -> float:

@@ -24,12 +24,12 @@ wins when the drafter keeps missing: then drafting stops, so speculation is neve
 plain decoding by more than the probes. A probe follows a run of plain
 steps whose length doubles after each failed probe (8, 16, ... up to 128 steps), so acceptance
 can recover when the text changes (a long quote, a repeated block) at a cost of at most one
-probe per 8 steps; a probe drafts what adds at most half a plain step. A drafter that can tell
-for free that its next guess is well founded (n-gram lookup matching its longest n-gram) has
-it probed at once instead: on a code edit whose first guesses miss, the answer reaches the
-prompt's code again long before the interval runs out. Each such probe that misses doubles
-the plain steps the next one waits (1, 2, 4, ...), which bounds their cost when guesses only
-look sure. This replaces a fixed "+2 on success, -1 on failure" rule.
+probe per 8 steps; a probe drafts what adds at most half a plain step, and at most FIRST_K.
+A drafter that can tell for free that its next guess is well founded (n-gram lookup matching
+its longest n-gram) has it probed at once instead: on a code edit whose first guesses miss,
+the answer reaches the prompt's code again long before the interval runs out. Each such
+probe that misses doubles the plain steps the next one waits (1, 2, 4, ...), which bounds
+their cost when guesses only look sure. This replaces a fixed "+2 on success, -1 on failure" rule.
 """
 
 from __future__ import annotations
@@ -189,12 +189,15 @@ class AdaptiveK:
 
     def _probe_k(self) -> int:
         """As many drafts as add at most half a plain step's cost, drafting and the wider verify
-        pass together: one token of a draft model that costs a sizeable part of the target,
-        and for lookup, which costs next to nothing, what the verify pass takes at little
-        extra (on this CPU 2-3 drafts; 16 cost 4.5 plain steps when a probe missed)."""
+        pass together, and at most FIRST_K: one token of a draft model that costs a sizeable
+        part of the target; for lookup, which costs next to nothing, what the verify pass
+        takes at little extra. A probe only tests whether drafting pays again (``choose``
+        lengthens the drafts once it does): a missed 16-token lookup probe cost 4.5 plain
+        steps, and early in a reply, before passes of many widths are timed, the verify line
+        looks flat and a budget alone allowed 10 head drafts on a chat reply."""
         c_draft, c_plain = self.draft_cost() or 0.0, self.verify_cost(1) or 0.0
         best = 1
-        for k in range(2, self.k_max + 1):
+        for k in range(2, min(self.k_max, FIRST_K) + 1):
             extra = k * c_draft + (self.verify_cost(k + 1) or c_plain) - c_plain
             if extra <= PROBE_BUDGET * c_plain:
                 best = k
