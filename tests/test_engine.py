@@ -161,6 +161,29 @@ def test_lookup_first_prefers_lookup(close_draft_model: PreTrainedModel) -> None
     assert model.runner.length == 0
 
 
+def test_lookups_evidence_reaches_adaptive_k(target_runner: ModelRunner,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each step the engine asks adaptive k with the drafter's ``sure``: true on a prompt whose
+    last n-gram occurred before, never for a drafter without lookup (plain decoding here)."""
+    import localspec.engine.engine as engine_module
+
+    seen: list[bool] = []
+
+    class Recording(engine_module.AdaptiveK):
+        def choose(self, sure: bool = False) -> int:
+            seen.append(sure)
+            return super().choose(sure)
+
+    monkeypatch.setattr(engine_module, "AdaptiveK", Recording)
+    lookup = SpeculativeEngine(target_runner, NgramDrafter(3, 1), decode, set())
+    collect(lookup, request(PROMPTS["repetitive"], adaptive=True))
+    assert seen[0] is True
+    seen.clear()
+    collect(SpeculativeEngine(target_runner, None, decode, set()),
+            request(PROMPTS["repetitive"]))
+    assert seen and not any(seen)
+
+
 def test_self_draft_accepts_everything(target_runner: ModelRunner,
                                        target_model: PreTrainedModel) -> None:
     """Draft = target (same weights, own cache): every greedy draft is accepted."""
