@@ -13,6 +13,7 @@ import torch
 from conftest import PADDED_VOCAB, VOCAB, collect, decode, make_tiny_model, perturbed_copy
 from transformers import PreTrainedModel
 
+import localspec.engine.engine as engine_module
 import localspec.engine.verify as verify_module
 from localspec.config import MAX_SPECULATIVE_TOKENS
 from localspec.drafters.base import Drafter
@@ -165,8 +166,6 @@ def test_lookups_evidence_reaches_adaptive_k(target_runner: ModelRunner,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Each step the engine asks adaptive k with the drafter's ``sure``: true on a prompt whose
     last n-gram occurred before, never for a drafter without lookup (plain decoding here)."""
-    import localspec.engine.engine as engine_module
-
     seen: list[bool] = []
 
     class Recording(engine_module.AdaptiveK):
