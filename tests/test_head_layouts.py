@@ -129,6 +129,55 @@ def test_medusa_layouts(tmp_path: Path, target: ModelRunner, filename: str,
     greedy_equals_plain(target, MedusaDrafter(heads, target))
 
 
+def _truncated_medusa(own_lm_heads: bool) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
+    """vLLM's Medusa layout with a truncated vocabulary: ``token_map`` lists the target ids the
+    heads guess from (here every third id, unsorted), their own LM heads have that many rows."""
+    token_map = torch.arange(0, VOCAB, 3).flip(0)
+    tensors = {f"blocks.{k.replace('.0.linear.', '.layers.0.')}": v
+               for k, v in medusa_tensors(HIDDEN, VOCAB, lm_heads=False).items()}
+    if own_lm_heads:
+        tensors.update({f"lm_heads.{i}.weight": 3.0 * torch.randn(
+            len(token_map), HIDDEN, generator=torch.Generator().manual_seed(i))
+            for i in range(3)})
+    config = {"num_heads": 3, "num_hidden_layers": 1, "hidden_size": HIDDEN, "vocab_size": VOCAB,
+              "truncated_vocab_size": len(token_map), "model_type": "medusa"}
+    return config, {**tensors, "token_map": token_map}
+
+
+@pytest.mark.parametrize("own_lm_heads", [True, False], ids=["own-lm-heads", "targets-lm-head"])
+def test_medusa_truncated_vocabulary(tmp_path: Path, target: ModelRunner,
+                                     own_lm_heads: bool) -> None:
+    """A head with a ``token_map`` guesses only those ids (through its own LM heads' rows or
+    the target's) and is still exact."""
+    config, tensors = _truncated_medusa(own_lm_heads)
+    write_head(tmp_path, config, tensors, "model.safetensors")
+    heads = load_medusa_heads(read_head(str(tmp_path)), target)
+    assert torch.equal(heads.token_map, tensors["token_map"])
+    drafter = MedusaDrafter(heads, target)
+    collect(SpeculativeEngine(target, drafter, decode, set()),
+            GenerationRequest(prompt_ids=[5, 17, 33], max_new_tokens=2))
+    logits = drafter._logits(0, target.features(1, 2))
+    outside = torch.ones(VOCAB, dtype=torch.bool)
+    outside[tensors["token_map"]] = False
+    assert torch.isinf(logits[outside]).all() and torch.isfinite(logits[~outside]).all()
+    greedy_equals_plain(target, drafter)
+
+
+@pytest.mark.parametrize("damage", ["outside the vocabulary", "repeated", "size differs"])
+def test_a_damaged_token_map_is_refused(tmp_path: Path, target: ModelRunner, damage: str) -> None:
+    config, tensors = _truncated_medusa(own_lm_heads=False)
+    token_map = tensors["token_map"]
+    if damage == "outside the vocabulary":
+        tensors["token_map"] = token_map + VOCAB
+    elif damage == "repeated":
+        tensors["token_map"] = torch.zeros_like(token_map)
+    else:
+        config["truncated_vocab_size"] = len(token_map) + 1
+    write_head(tmp_path, config, tensors, "model.safetensors")
+    with pytest.raises(ModelLoadError, match="token_map must list distinct ids of the target"):
+        load_medusa_heads(read_head(str(tmp_path)), target)
+
+
 @pytest.mark.parametrize("method", ["eagle", "eagle3", "medusa"])
 def test_heads_take_the_targets_dtype_on_the_lean_path(tmp_path: Path, method: str) -> None:
     """On the CPU production path (a bfloat16 target under the int8 lean forward, float32
@@ -298,10 +347,13 @@ def test_a_builtin_head_is_read_from_the_package(tmp_path: Path,
     monkeypatch.setattr(head_files, "builtin_head_folder", lambda _: tmp_path / "gone")
     with pytest.raises(ModelLoadError, match=r"missing from this install.*reinstall"):
         read_head(name)
-    assert (builtin_head_folder(name) / "config.json").is_file()  # the real one ships
-    preset = load_preset("cpu-qwen-coder-eagle")
-    assert preset.speculative_config.model == name
-    assert export_vllm(preset).speculative_config["model"] == str(builtin_head_folder(name))
+    for shipped in BUILTIN_HEADS:  # the real ones ship, each with a preset
+        assert (builtin_head_folder(shipped) / "config.json").is_file()
+    for preset_name, head in (("cpu-qwen-coder-eagle", name),
+                              ("cpu-qwen-coder-medusa", "qwen2.5-coder-1.5b-medusa")):
+        preset = load_preset(preset_name)
+        assert preset.speculative_config.model == head
+        assert export_vllm(preset).speculative_config["model"] == str(builtin_head_folder(head))
 
 
 # ----------------------------------------------------------------------------- end to end

@@ -150,6 +150,9 @@ def test_loss_falls_and_the_saved_head_drafts_losslessly(
         assert {"midlayer.hidden_norm.weight", "d2t", "t2d", "lm_head.weight"} <= set(
             files.tensors)
         assert files.config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    if method == "medusa":  # its training softmax's ids, as vLLM's truncated vocabulary
+        token_map = files.tensors["token_map"]
+        assert files.config["truncated_vocab_size"] == len(token_map) == report["draft_vocab"]
 
     from transformers import AutoModelForCausalLM
 
@@ -395,7 +398,8 @@ def test_default_head_sizes_fit_the_budget_for_the_bundled_model() -> None:
                                           device="meta"), 151936)
              for method in ("eagle", "eagle3")}
     sizes["medusa"] = head_bytes(MedusaHeads(1536, 151936, HeadShape().medusa_heads,
-                                             own_lm_heads=False, device="meta"), 151936)
+                                             own_lm_heads=False, truncated_vocab=4096,
+                                             device="meta"), 151936)
     assert all(size <= 40e6 for size in sizes.values()), sizes
     assert sizes["eagle3"] > 35e6  # the budget is used, not wasted
 

@@ -16,7 +16,8 @@ Layouts (key names as the public checkpoints and vLLM's loaders have them):
   ``medusa_num_layers``; ``medusa_lm_head.pt`` with ``{i}.{j}.linear.weight/bias`` (residual
   blocks) and ``{i}.{medusa_num_layers}.weight`` (head i's LM head; absent in the earliest
   heads, which use the target's). vLLM's layout (``blocks.{i}.layers.{j}``, ``lm_heads.{i}``,
-  config ``num_heads``, ``num_hidden_layers``) is read too.
+  config ``num_heads``, ``num_hidden_layers``) is read too, with its truncated vocabulary:
+  ``token_map`` (the target ids the heads guess from) and ``truncated_vocab_size``.
 
 A head made for another target is refused before any weight is copied, saying which of
 hidden size, vocabulary or layer count differs and why it matters.
@@ -224,8 +225,6 @@ def _medusa_state(files: HeadFiles) -> dict[str, torch.Tensor]:
     state = {}
     for key, tensor in files.tensors.items():
         name = key.removeprefix("medusa_heads.").removeprefix("medusa_head.")
-        if name == "token_map":
-            raise _refuse(files, "token_map (a truncated draft vocabulary) is not supported")
         match = ORIGINAL_MEDUSA.match(name)
         if match and match.group(3):  # a residual block's linear layer
             name = f"blocks.{match.group(1)}.layers.{match.group(2)}.{match.group(4)}"
@@ -254,11 +253,30 @@ def load_medusa_heads(files: HeadFiles, target: ModelRunner,
     if hidden != target.hidden_size:
         raise _wrong_target(files, "hidden size", hidden, target.hidden_size)
     own = any(key.startswith("lm_heads.") for key in state)
+    token_map = state.get("token_map")
+    truncated = _check_token_map(files, token_map, target.vocab_size)
     vocab = int(state["lm_heads.0.weight"].shape[0]) if "lm_heads.0.weight" in state else 0
-    if own and vocab != target.vocab_size:
-        raise _wrong_target(files, "vocabulary size", vocab, target.vocab_size)
+    if own and vocab != (truncated or target.vocab_size):
+        raise _wrong_target(files, "vocabulary size", vocab, truncated or target.vocab_size)
     heads = MedusaHeads(hidden, target.vocab_size, num_heads, num_layers, own_lm_heads=own,
-                        bias="blocks.0.layers.0.bias" in state,
+                        bias="blocks.0.layers.0.bias" in state, truncated_vocab=truncated,
                         dtype=dtype or target.embedding_weight().dtype, device=target.device)
     _load_state(files, heads, state)
     return heads.eval().requires_grad_(False)
+
+
+def _check_token_map(files: HeadFiles, token_map: torch.Tensor | None, vocab_size: int) -> int:
+    """The size of a Medusa head's ``token_map`` (0 when it has none), refused unless it
+    lists distinct target ids: vLLM's truncated draft vocabulary."""
+    if token_map is None:
+        return 0
+    declared = files.config.get("truncated_vocab_size")
+    ids = token_map.long() if not token_map.is_floating_point() else None
+    if (ids is None or ids.dim() != 1 or not len(ids) or ids.min() < 0
+            or ids.max() >= vocab_size or len(torch.unique(ids)) != len(ids)
+            or declared not in (None, len(ids))):
+        raise _refuse(files, f"token_map must list distinct ids of the target's "
+                             f"0..{vocab_size - 1} ({declared or 'as many as'} "
+                             "truncated_vocab_size says): made for another vocabulary, or "
+                             "damaged")
+    return len(ids)

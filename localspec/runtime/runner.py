@@ -209,11 +209,19 @@ class ModelRunner:
         return self.model.get_input_embeddings().weight
 
     @torch.inference_mode()
-    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def head_logits(self, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The LM head on hidden states [n, hidden] that did not come from a forward (an EAGLE
-        head's predicted features): float32 logits [n, vocab]; no cache is touched."""
+        head's predicted features): float32 logits [n, vocab]; no cache is touched. ``rows``:
+        only those ids' logits (a head's draft vocabulary), the rest -inf."""
         if self.decoder is not None:
+            if rows is not None:  # the CPU's head packs each cut once
+                return self.decoder.head.logits(hidden.float(), rows)
             return self.decoder.head.logits(hidden.float(), self._rows, self._head)
+        if rows is not None:
+            full = self.head_logits(hidden)
+            logits = torch.full_like(full, float("-inf"))
+            logits[:, rows] = full[:, rows]
+            return logits
         if self._rows_weight is not None:
             sub = torch.nn.functional.linear(hidden.to(self._rows_weight.dtype),
                                              self._rows_weight).float()

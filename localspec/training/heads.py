@@ -9,11 +9,13 @@ Shapes, sized for a budget (the head shipped for the bundled 1.5B must be <= 40 
   a norm and an LM head over a reduced draft vocabulary: the ``draft_vocab`` most frequent
   tokens of the corpus, mapped to the target's ids by ``d2t`` (EAGLE-3's published form).
 - ``medusa``: ``medusa_heads`` residual blocks on the last hidden state, all read through the
-  target's LM head (a Medusa LM head of its own would be [vocab, h]: 467 MB for the 1.5B).
+  target's LM head cut to the ``draft_vocab`` most frequent tokens of the corpus, listed in
+  ``token_map`` (vLLM's truncated vocabulary; a Medusa LM head of its own would be [vocab, h]:
+  467 MB for the 1.5B).
 
 For the 1.5B (h = 1536, 151,936 tokens) the defaults make eagle3 39.5 MB, eagle 37.8 MB and
-medusa 18.9 MB in bfloat16. Fewer attention heads than the target's 12 is what makes room for a
-useful draft vocabulary: ``fc`` alone is 14 MB.
+medusa 18.9 MB in bfloat16 (3 heads: 14.2 MB). Fewer attention heads than the target's 12 is
+what makes room for a useful draft vocabulary: ``fc`` alone is 14 MB.
 
 First weights, drawn from an explicit generator on the target's device: ``fc`` passes the
 feature through (identity on the feature's block, small noise elsewhere), the layer's outputs
@@ -119,8 +121,10 @@ def new_head(method: str, target: FrozenTarget, shape: HeadShape, vocab_ids: tor
     """An untrained float32 head for ``target`` on its device (see the module docstring)."""
     device, h = target.device, target.hidden_size
     if method == "medusa":
-        return MedusaHeads(h, target.vocab_size, shape.medusa_heads, shape.medusa_layers,
-                           own_lm_heads=False, device=device)
+        heads = MedusaHeads(h, target.vocab_size, shape.medusa_heads, shape.medusa_layers,
+                            own_lm_heads=False, truncated_vocab=len(vocab_ids), device=device)
+        heads.token_map.copy_(vocab_ids)
+        return heads.train()
     spec = eagle_spec(method, target.runner.config, shape, len(vocab_ids))
     # Built on "meta" and filled here: nn.Linear's own init would draw from the global RNG.
     head = EagleHead(spec, device="meta").to_empty(device=device)
@@ -149,10 +153,13 @@ def new_head(method: str, target: FrozenTarget, shape: HeadShape, vocab_ids: tor
 def initial_head(name: str, method: str, target: FrozenTarget, layers: tuple[int, ...],
                  vocab_ids: torch.Tensor) -> tuple[EagleHead | MedusaHeads, torch.Tensor]:
     """The trained head ``name`` as a float32 head to train further, and its training
-    vocabulary (EAGLE-3: its own draft vocabulary; otherwise ``vocab_ids``)."""
+    vocabulary (its own draft vocabulary if it has one: EAGLE-3's, Medusa's ``token_map``;
+    otherwise ``vocab_ids``)."""
     files = read_head(name)
     if method == "medusa":
         head: EagleHead | MedusaHeads = load_medusa_heads(files, target.runner, torch.float32)
+        if head.token_map is not None:
+            vocab_ids = head.token_map.clone()
     else:
         head, fused = load_eagle_head(files, method, target.runner, torch.float32)
         if fused is not None and tuple(fused) != tuple(layers):
@@ -200,9 +207,13 @@ def head_config(head: EagleHead | MedusaHeads, method: str, layers: tuple[int, .
                 target_name: str) -> dict[str, object]:
     """config.json as the published heads of ``method`` spell it."""
     if isinstance(head, MedusaHeads):
-        return {"architectures": ["MedusaModel"], "medusa_num_heads": head.num_heads,
-                "medusa_num_layers": len(head.blocks[0].layers), "hidden_size": head.hidden_size,
-                "vocab_size": head.vocab_size, "base_model_name_or_path": target_name}
+        config = {"architectures": ["MedusaModel"], "medusa_num_heads": head.num_heads,
+                  "medusa_num_layers": len(head.blocks[0].layers),
+                  "hidden_size": head.hidden_size, "vocab_size": head.vocab_size,
+                  "base_model_name_or_path": target_name}
+        if head.token_map is not None:
+            config["truncated_vocab_size"] = len(head.token_map)
+        return config
     s = head.spec
     config = {"architectures": ["LlamaForCausalLMEagle3" if method == "eagle3"
                                 else "LlamaForCausalLM"],
