@@ -55,6 +55,10 @@ def speculative_config_for_vllm(sc: SpeculativeConfig, notes: list[str]) -> dict
         if sc.model in BUILTIN_HEADS:
             config["model"] = str(builtin_head_folder(sc.model))
             notes.append(f"built-in head '{sc.model}' is the folder {config['model']}")
+            if sc.method == "medusa":  # see drafters/medusa.py: token_map over the target's
+                notes.append("its Medusa heads read the target's own LM head (the rows in "
+                             "token_map); vLLM's Medusa needs LM heads inside the checkpoint, "
+                             "so vLLM cannot load these heads as they are")
     if sc.method == "ngram":
         config["prompt_lookup_max"] = sc.prompt_lookup_max
         config["prompt_lookup_min"] = sc.prompt_lookup_min
