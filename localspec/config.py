@@ -55,7 +55,8 @@ HEAD_METHODS: tuple[str, ...] = ("eagle", "eagle3", "medusa")
 ANSWER_SOURCES: tuple[str, ...] = ("corpus", "target")
 # Heads shipped inside the package (localspec/data/heads/<name>/), by the name a preset's
 # [speculative_config] model gives, with the built-in target each was trained for.
-BUILTIN_HEADS: dict[str, str] = {"qwen2.5-coder-1.5b-eagle3": "qwen2.5-coder-1.5b-instruct"}
+BUILTIN_HEADS: dict[str, str] = {"qwen2.5-coder-1.5b-eagle3": "qwen2.5-coder-1.5b-instruct",
+                                  "qwen2.5-coder-1.5b-medusa": "qwen2.5-coder-1.5b-instruct"}
 
 
 

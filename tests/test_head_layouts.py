@@ -353,7 +353,9 @@ def test_a_builtin_head_is_read_from_the_package(tmp_path: Path,
                               ("cpu-qwen-coder-medusa", "qwen2.5-coder-1.5b-medusa")):
         preset = load_preset(preset_name)
         assert preset.speculative_config.model == head
-        assert export_vllm(preset).speculative_config["model"] == str(builtin_head_folder(head))
+        export = export_vllm(preset)
+        assert export.speculative_config["model"] == str(builtin_head_folder(head))
+        assert any("vLLM cannot load" in note for note in export.notes) == ("medusa" in head)
 
 
 # ----------------------------------------------------------------------------- end to end
