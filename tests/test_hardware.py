@@ -257,6 +257,15 @@ def test_head_weight_bytes_match_a_built_head(method: str) -> None:
     assert head_weight_bytes(Architecture.from_config(config.to_dict()), method) == built - norms
 
 
+@pytest.mark.parametrize(("name", "least", "most"), [("cpu-qwen-coder-eagle", 39e6, 40e6),
+                                                    ("cpu-qwen-coder-medusa", 14e6, 15e6)])
+def test_builtin_heads_are_estimated_at_their_real_size(name: str, least: float,
+                                                        most: float) -> None:
+    """A built-in head counts as the files it ships (the Medusa heads read the target's LM
+    head: a published Medusa head's shape would add ~2 GB)."""
+    assert least <= estimate_preset(load_preset(name)).draft_weights <= most
+
+
 def test_fits_reasons() -> None:
     need = MemoryEstimate(6 * GIB, GIB, GIB // 2, GIB // 2, 4096, on_gpu=True)
     cpu_only = Hardware(2, 16 * GIB, 8 * GIB)

@@ -23,8 +23,17 @@ from pathlib import Path
 
 import psutil
 
-from localspec.config import DEFAULT_CONTEXT, DTYPES, HARDWARE, HEAD_METHODS, Preset, cache_root
+from localspec.config import (
+    BUILTIN_HEADS,
+    DEFAULT_CONTEXT,
+    DTYPES,
+    HARDWARE,
+    HEAD_METHODS,
+    Preset,
+    cache_root,
+)
 from localspec.models.builtin import BUILTIN_MODELS
+from localspec.presets import builtin_head_folder
 
 GIB = 1024**3
 KNOWN_CONFIGS = Path(__file__).resolve().parent.parent / "data" / "model_configs.json"
@@ -216,6 +225,15 @@ def head_weight_bytes(arch: Architecture, method: str) -> int:
     return 2 * (fc + layer + (EAGLE3_DRAFT_VOCAB * h if method == "eagle3" else 0))
 
 
+def shipped_head_bytes(name: str | None) -> int:
+    """The size of built-in head ``name``'s weights as they ship (0 if it is not one): where
+    ``head_weight_bytes`` can only assume a published head's shape (Medusa with LM heads of
+    its own: ~2 GB for the 1.5B, against the built-in heads' 14 MB)."""
+    if name not in BUILTIN_HEADS:
+        return 0
+    return sum(f.stat().st_size for f in builtin_head_folder(name).glob("*.safetensors"))
+
+
 # ----------------------------------------------------------------------------- presets
 
 
@@ -258,7 +276,8 @@ def estimate_preset(preset: Preset, context: int = DEFAULT_CONTEXT) -> MemoryEst
         draft_bytes = weight_bytes(draft, draft_spec.quantization, draft_spec.dtype)
         kv += kv_cache_bytes(draft, ctx, draft_spec.dtype)
     elif method in HEAD_METHODS:
-        draft_bytes = head_weight_bytes(target, method)
+        draft_bytes = (shipped_head_bytes(preset.speculative_config.model)
+                       or head_weight_bytes(target, method))
     overhead = RUNTIME_OVERHEAD + int(WEIGHT_MARGIN * (target_bytes + draft_bytes))
     return MemoryEstimate(target_bytes, draft_bytes, kv, overhead, ctx, runs_on_gpu(preset))
 
