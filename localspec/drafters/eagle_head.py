@@ -27,6 +27,8 @@ from torch.nn import functional as F
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from localspec.runtime.lean_weights import spread_logits
+
 
 @dataclass(frozen=True)
 class EagleSpec:
@@ -268,9 +270,7 @@ class EagleHead(nn.Module):
         assert self.lm_head is not None, "EAGLE reads its output with the target's LM head"
         sub = self.lm_head(hidden).float()  # [n, draft_vocab]
         targets = torch.arange(sub.shape[-1], device=sub.device) + self.d2t
-        logits = sub.new_full((sub.shape[0], target_vocab), float("-inf"))
-        logits[:, targets] = sub
-        return logits
+        return spread_logits(sub, targets, target_vocab)
 
     def embed(self, ids: torch.Tensor, target_table: torch.Tensor) -> torch.Tensor:
         """[n] ids -> [n, h] with the head's own embedding if it has one, else the target's."""

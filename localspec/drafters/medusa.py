@@ -29,6 +29,7 @@ from torch.nn import functional as F
 
 from localspec.drafters.base import DraftChain, Proposal
 from localspec.engine.verify import SamplingParams
+from localspec.runtime.lean_weights import spread_logits
 from localspec.runtime.runner import ModelRunner
 
 
@@ -98,11 +99,9 @@ class MedusaDrafter:
         self.confidence_threshold = confidence_threshold
         self.feature_layers = (target.num_layers,)  # the final normed hidden state
         target.record_features(self.feature_layers)
-        if heads.lm_heads is None and heads.token_map is not None:
-            # The target's head cut to token_map is packed on first use (0.8 s for the 1.5B's
-            # Q6_K head): here, while the preset loads, not in the first reply.
-            target.head_logits(torch.zeros(1, heads.hidden_size, device=target.device),
-                               heads.token_map)
+        # Without LM heads of their own the heads read the target's, cut to token_map if any.
+        self._target_head = (target.head_logits if heads.token_map is None
+                             else target.head_cut(heads.token_map))
 
     def reset(self) -> None:
         """Ask the target (again: it may serve other drafters) for its final features."""
@@ -112,15 +111,11 @@ class MedusaDrafter:
         """Head i's float32 logits [vocab_target] from the feature [1, hidden] (-inf outside
         ``token_map``)."""
         hidden = self.heads.head_hidden(i, feature)
-        rows = self.heads.token_map
         if self.heads.lm_heads is None:
-            return self.target.head_logits(hidden, rows)[0]
+            return self._target_head(hidden)[0]
         sub = self.heads.lm_heads[i](hidden)[0].float()
-        if rows is None:
-            return sub  # its vocabulary is the target's
-        logits = sub.new_full((self.heads.vocab_size,), float("-inf"))
-        logits[rows] = sub
-        return logits
+        rows = self.heads.token_map
+        return sub if rows is None else spread_logits(sub, rows, self.heads.vocab_size)
 
     @torch.inference_mode()
     def propose(

@@ -209,6 +209,14 @@ def layer_linear(weights: Mapping[str, torch.Tensor], prefix: str, lib: object |
     return parts[0] if len(parts) == 1 else ConcatLinear(parts)
 
 
+def spread_logits(sub: torch.Tensor, rows: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Logits [..., len(rows)] of a cut vocabulary -> [..., vocab_size], -inf at the other ids
+    (a cut head can never propose them)."""
+    logits = sub.new_full((*sub.shape[:-1], vocab_size), float("-inf"))
+    logits[..., rows] = sub
+    return logits
+
+
 class LMHead:
     """The output projection, whole or cut to some vocabulary rows (a draft's FR-Spec head).
 
@@ -264,11 +272,7 @@ class LMHead:
         """Float32 logits [n, vocab]; outside ``rows`` (when given) they are -inf. ``part`` is
         ``part(rows)`` if the caller kept it (finding a cut by its rows costs a hash of them)."""
         sub = (part or self.part(rows))(hidden)
-        if rows is None:
-            return sub
-        logits = torch.full((hidden.shape[0], self.vocab_size), float("-inf"))
-        logits[:, rows] = sub
-        return logits
+        return sub if rows is None else spread_logits(sub, rows, self.vocab_size)
 
 
 def release_weights(model: nn.Module) -> None:

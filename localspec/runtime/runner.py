@@ -39,11 +39,14 @@ The runner deliberately does not sample, verify or tokenize.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel, StaticCache
 
 from localspec.runtime.decoder import KVCache, LeanDecoder
+from localspec.runtime.lean_weights import spread_logits
 
 FEATURE_BLOCK = 256  # the feature store grows by at least this many positions
 GRAPH_WIDTHS = (1, 2, 4, 8, 16, 32)  # CUDA graph buckets of tokens per forward; wider: eager
@@ -209,26 +212,26 @@ class ModelRunner:
         return self.model.get_input_embeddings().weight
 
     @torch.inference_mode()
-    def head_logits(self, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head on hidden states [n, hidden] that did not come from a forward (an EAGLE
-        head's predicted features): float32 logits [n, vocab]; no cache is touched. ``rows``:
-        only those ids' logits (a head's draft vocabulary), the rest -inf."""
+        head's predicted features): float32 logits [n, vocab]; no cache is touched."""
         if self.decoder is not None:
-            if rows is not None:  # the CPU's head packs each cut once
-                return self.decoder.head.logits(hidden.float(), rows)
             return self.decoder.head.logits(hidden.float(), self._rows, self._head)
-        if rows is not None:
-            full = self.head_logits(hidden)
-            logits = torch.full_like(full, float("-inf"))
-            logits[:, rows] = full[:, rows]
-            return logits
         if self._rows_weight is not None:
             sub = torch.nn.functional.linear(hidden.to(self._rows_weight.dtype),
                                              self._rows_weight).float()
-            logits = torch.full((sub.shape[0], self.vocab_size), float("-inf"), device=self.device)
-            logits[:, self._rows] = sub
-            return logits
+            return spread_logits(sub, self._rows, self.vocab_size)
         return self.lm_head(hidden.to(self.lm_head.weight.dtype)).float()
+
+    def head_cut(self, rows: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``head_logits`` over ``rows`` only (a head's draft vocabulary; the rest -inf), made
+        once: the CPU's head packs the cut now (0.8 s for the 1.5B's Q6_K head), not in the
+        first reply, and no call looks it up again (hashing 4,096 ids costs 0.2 ms)."""
+        if self.decoder is not None:
+            head, part = self.decoder.head, self.decoder.head.part(rows)
+            return lambda hidden: head.logits(hidden.float(), rows, part)
+        return lambda hidden: spread_logits(self.head_logits(hidden)[:, rows], rows,
+                                            self.vocab_size)
 
     @torch.inference_mode()
     def forward(self, token_ids: list[int], logits_to_keep: int | None = None) -> torch.Tensor:
@@ -264,9 +267,7 @@ class ModelRunner:
             return refine_top_logits(normed, self.lm_head.weight)
         if self._rows_weight is not None:
             sub = torch.nn.functional.linear(self.last_hidden, self._rows_weight).float()
-            logits = torch.full((sub.shape[0], self.vocab_size), float("-inf"), device=self.device)
-            logits[:, self._rows] = sub
-            return logits
+            return spread_logits(sub, self._rows, self.vocab_size)
         return self.lm_head(self.last_hidden).float()
 
     def _feed(self, token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
