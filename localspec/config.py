@@ -22,7 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
 
 from localspec.errors import PresetError, RequestError
 
@@ -31,19 +38,28 @@ from localspec.errors import PresetError, RequestError
 Method = Literal["none", "draft_model", "ngram", "eagle", "eagle3", "medusa"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Literal["auto", "cpu", "cuda"]
-Quantization = Literal["none", "w4a8", "w4a8-requant", "w8a8", "int8-weight-only", "bnb-4bit",
-                       "bnb-8bit"]
+QuantizationName = Literal["none", "w4a8", "requant-q4k", "w8a8", "int8-weight-only",
+                           "bnb-4bit", "bnb-8bit"]
 HardwareClass = Literal["cpu", "gpu-8gb", "gpu-12gb", "gpu-16gb", "gpu-24gb", "h100-80gb"]
 
 METHODS: tuple[str, ...] = get_args(Method)
 DTYPES: tuple[str, ...] = get_args(Dtype)
 DEVICES: tuple[str, ...] = get_args(Device)
-QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
-# Served by the lean CPU forward (localspec.runtime.decoder): "w8a8" int8 weights and per-token
+QUANTIZATIONS: tuple[str, ...] = get_args(QuantizationName)
+# Former names a preset may still use, and what they are called now.
+RENAMED_QUANTIZATIONS = {"w4a8-requant": "requant-q4k"}
+
+
+def _current_quantization(value: object) -> object:
+    return RENAMED_QUANTIZATIONS.get(value, value) if isinstance(value, str) else value
+
+
+Quantization = Annotated[QuantizationName, BeforeValidator(_current_quantization)]
+# Served by the CPU forward (localspec.runtime.decoder): "w8a8" int8 weights and per-token
 # int8 activations; "w4a8" a GGUF's Q4_K and Q6_K matrices as stored (others w8a8);
-# "w4a8-requant" every layer matrix requantized to Q4_K (lossy against the file: meant for
+# "requant-q4k" every layer matrix requantized to Q4_K (lossy against the file: meant for
 # drafts, which only guess).
-LEAN_QUANTIZATIONS: tuple[str, ...] = ("w8a8", "w4a8", "w4a8-requant")
+CPU_QUANTIZATIONS: tuple[str, ...] = ("w8a8", "w4a8", "requant-q4k")
 HARDWARE: tuple[str, ...] = get_args(HardwareClass)
 HARDWARE_LABELS = {"cpu": "CPU", "gpu-8gb": "GPU 8 GB", "gpu-12gb": "GPU 12 GB",
                    "gpu-16gb": "GPU 16 GB", "gpu-24gb": "GPU 24 GB", "h100-80gb": "H100 80 GB"}
@@ -79,6 +95,9 @@ MAX_TOP_K = 1_000_000
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
 MAX_NUM_SAMPLES = 1000
 MAX_BENCH_REPEATS = 100
+# The most a file the user names may hold (prompts, presets, texts, training documents):
+# far beyond any real one, and a bound on what a mistaken path (/dev/zero) can make us read.
+MAX_USER_FILE_BYTES = 64 * 2**20
 # The span of the app's sliders: the useful range, inside the limits above.
 SLIDER_MAX = {"temperature": 2.0, "top_k": 200, "max_new_tokens": 8192}
 
@@ -176,7 +195,7 @@ class ModelSpec:
 
 
 class Preset(BaseModel):
-    """A target, a drafter and settings: one ``localspec/data/presets/*.toml`` file."""
+    """A target, a drafter and settings: one ``presets/*.toml`` file."""
 
     model_config = _STRICT
 

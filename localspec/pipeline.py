@@ -39,11 +39,11 @@ from localspec.drafters.medusa import MedusaDrafter
 from localspec.drafters.ngram import NgramDrafter
 from localspec.engine.engine import GenerationRequest, SpeculativeEngine, StepEvent
 from localspec.engine.stats import GenerationStats
-from localspec.engine.verify import SamplingParams
 from localspec.errors import PresetError, RequestError
 from localspec.models.cache import Progress
 from localspec.models.loading import LoadedModel, check_same_tokenizer, load_model
 from localspec.runtime.runner import ModelRunner
+from localspec.sampling import SamplingParams
 
 
 def check_method(preset: Preset, method: str) -> None:

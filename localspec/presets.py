@@ -1,5 +1,5 @@
-"""Presets as data: ``localspec/data/presets/*.toml`` (and the built-in draft heads beside them,
-``localspec/data/heads/``), found through ``importlib.resources``.
+"""Presets as data: the shipped ``presets/*.toml`` (and the built-in draft heads,
+``localspec/data/heads/``, found through ``importlib.resources``).
 
 This module finds and reads preset files; what a preset may say is ``localspec.config``'s
 schema. A preset is named by its file stem (``cpu-qwen-coder-draft``) or by a path to any
@@ -15,14 +15,22 @@ from pathlib import Path
 
 from localspec.config import DEFAULT_PRESET, Preset, parse_preset
 from localspec.errors import PresetError
+from localspec.files import read_user_text
+
+MAX_PRESET_BYTES = 2**20  # a preset is a few dozen lines
 
 __all__ = ["DEFAULT_PRESET", "Preset", "PresetError", "builtin_head_folder", "list_preset_names",
            "load_preset", "parse_preset", "preset_path", "presets_dir"]
 
 
 def presets_dir() -> Traversable:
-    """The shipped presets, inside the installed package."""
-    return resources.files("localspec").joinpath("data", "presets")
+    """The shipped presets: the copy an installed wheel carries in ``localspec/data/presets/``,
+    else (a source checkout, an editable install) the checkout's top-level ``presets/``;
+    pyproject.toml maps the one onto the other."""
+    packaged = resources.files("localspec").joinpath("data", "presets")
+    if packaged.is_dir():
+        return packaged
+    return Path(__file__).resolve().parent.parent / "presets"
 
 
 def builtin_head_folder(name: str) -> Path:
@@ -51,10 +59,12 @@ def preset_path(name_or_path: str) -> Path | Traversable:
 
 def load_preset(name_or_path: str) -> Preset:
     path = preset_path(name_or_path)
+    if isinstance(path, Path):  # a user's file
+        text = read_user_text(path, "preset", limit=MAX_PRESET_BYTES, error=PresetError)
+    else:
+        text = path.read_text(encoding="utf-8")
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
         raise PresetError(f"{path}: not valid TOML: {exc}") from exc
-    except OSError as exc:
-        raise PresetError(f"{path}: cannot read: {exc.strerror or exc}") from exc
     return parse_preset(data, where=str(path)).model_copy(update={"path": path})

@@ -9,8 +9,8 @@ from conftest import collect, decode, make_tiny_model, perturbed_copy
 
 from localspec.drafters.draft_model import DraftModelDrafter
 from localspec.engine.engine import GenerationRequest, SpeculativeEngine
-from localspec.engine.verify import SamplingParams
 from localspec.runtime.runner import ModelRunner
+from localspec.sampling import SamplingParams
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here")]

@@ -1,4 +1,4 @@
-"""The lean CPU forward (``LeanDecoder``) on tiny random models: the dense kind reproduces the
+"""The CPU forward (``CpuDecoder``) on tiny random models: the dense kind reproduces the
 Hugging Face forward (Qwen2 and Llama, RoPE scaling, biases, tied heads, chunked feeding and
 rollback); the w8a8 kind is batch invariant bit for bit, which is what keeps greedy
 speculation exactly lossless; the int8 linear layer, the cut LM head and the KV cache's growth;
@@ -33,19 +33,19 @@ from transformers import (
 from localspec.config import ModelSpec
 from localspec.drafters.draft_model import DraftModelDrafter
 from localspec.engine.engine import GenerationRequest, SpeculativeEngine
-from localspec.engine.verify import SamplingParams
 from localspec.errors import ModelLoadError
 from localspec.models.loading import load_model
 from localspec.runtime.decoder import (
     CACHE_BLOCK,
+    CpuDecoder,
     KVCache,
-    LeanDecoder,
     LMHead,
     unsupported_reason,
 )
-from localspec.runtime.lean_weights import ROW_ATTENTION_MAX, hadamard, rotate
 from localspec.runtime.quant import DenseLinear, W8A8Linear, quantize_per_channel
 from localspec.runtime.runner import ModelRunner
+from localspec.runtime.weight_formats import ROW_ATTENTION_MAX, hadamard, rotate
+from localspec.sampling import SamplingParams
 
 DENSE_ATOL = 1e-5  # float32 dense vs the HF forward; measured ~2e-6 on logits of size ~8
 
@@ -60,12 +60,12 @@ def _tokens(count: int, seed: int = 0, vocab: int = VOCAB) -> list[int]:
     return torch.randint(0, vocab, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _lean_runner(model: PreTrainedModel, kind: str,
+def _cpu_runner(model: PreTrainedModel, kind: str,
                  dtype: torch.dtype = torch.float32) -> ModelRunner:
-    """A runner over a LeanDecoder built from a copy of ``model`` (the decoder empties the
+    """A runner over a CpuDecoder built from a copy of ``model`` (the decoder empties the
     model it is given)."""
     taken = copy.deepcopy(model).to(dtype)
-    return ModelRunner(taken, decoder=LeanDecoder(taken, kind))
+    return ModelRunner(taken, decoder=CpuDecoder(taken, kind))
 
 
 def _randomize_biases(model: PreTrainedModel, seed: int) -> None:
@@ -92,32 +92,32 @@ def _chunked_logits(runner: ModelRunner, tokens: list[int],
 
 
 def _assert_dense_matches_hf(model: PreTrainedModel, tokens: list[int]) -> None:
-    """Dense lean logits (and final hidden states) equal the HF forward's, fed in chunks of
+    """Dense CPU-forward logits (and final hidden states) equal the HF forward's, fed in chunks of
     20, 15 and then one at a time, and again after rolling back and feeding the rest anew."""
     hf = ModelRunner(model)
     reference = hf.forward(tokens)
     reference_hidden = hf.last_hidden
-    lean = _lean_runner(model, "dense")
-    logits, hidden = _chunked_logits(lean, tokens, (20, 15))
+    cpu = _cpu_runner(model, "dense")
+    logits, hidden = _chunked_logits(cpu, tokens, (20, 15))
     assert logits.shape == reference.shape == (len(tokens), model.config.vocab_size)
     torch.testing.assert_close(logits, reference, rtol=0, atol=DENSE_ATOL)
     torch.testing.assert_close(hidden, reference_hidden, rtol=0, atol=DENSE_ATOL)
     # Roll back into the middle of a chunk and into the one-at-a-time part: the stale
     # positions behind the new length must not leak into what is fed next.
     for keep in (27, 10, len(tokens) - 6):
-        lean.crop(keep)
-        assert lean.length == keep
-        again = torch.cat([lean.forward(tokens[keep:keep + 4]), lean.forward(tokens[keep + 4:])])
+        cpu.crop(keep)
+        assert cpu.length == keep
+        again = torch.cat([cpu.forward(tokens[keep:keep + 4]), cpu.forward(tokens[keep + 4:])])
         torch.testing.assert_close(again, reference[keep:], rtol=0, atol=DENSE_ATOL)
-    lean.reset()
-    torch.testing.assert_close(lean.forward(tokens[:5]), reference[:5], rtol=0, atol=DENSE_ATOL)
+    cpu.reset()
+    torch.testing.assert_close(cpu.forward(tokens[:5]), reference[:5], rtol=0, atol=DENSE_ATOL)
 
 
 # ----------------------------------------------------------------------------- dense == HF
 
 
 def test_dense_qwen2_equals_hf_forward() -> None:
-    """The dense lean forward of a float32 Qwen2 (random q/k/v biases) is the HF forward:
+    """The dense CPU forward of a float32 Qwen2 (random q/k/v biases) is the HF forward:
     same logits and last hidden states to ~1e-5 whatever the chunking, and after crop."""
     model = make_tiny_model(seed=0)
     _randomize_biases(model, seed=5)
@@ -153,7 +153,7 @@ def _tiny_llama(seed: int, **overrides: object) -> PreTrainedModel:
 
 @pytest.mark.parametrize("variant", list(LLAMA_VARIANTS))
 def test_dense_llama_equals_hf_forward(variant: str) -> None:
-    """A Llama with scaled RoPE: the lean forward takes cos/sin from the model's own rotary
+    """A Llama with scaled RoPE: the CPU forward takes cos/sin from the model's own rotary
     module, so it matches the HF forward; the scaling is checked to matter (the same weights
     with plain RoPE give other logits), so a decoder with its own RoPE would fail here."""
     overrides = LLAMA_VARIANTS[variant]
@@ -181,7 +181,7 @@ def test_w8a8_batch_equals_one_token_steps(target_model: PreTrainedModel,
     n tokens (n = 2..13, a verify pass) gives bit for bit the logits that n one-token steps
     (plain decoding) give, also when the cache was cropped back and fed again."""
     tokens = _tokens(60, seed=3)
-    runner = _lean_runner(target_model, "w8a8", dtype)
+    runner = _cpu_runner(target_model, "w8a8", dtype)
     steps = torch.cat([runner.forward([t]) for t in tokens])  # plain decoding, token by token
     assert torch.isfinite(steps).all()
     for prefix in (1, 9, 40):
@@ -206,7 +206,7 @@ def test_w8a8_long_batch_uses_mask_and_stays_close(target_model: PreTrainedModel
     (a row seeing later keys, or too few) would be far off."""
     n = ROW_ATTENTION_MAX + 12
     tokens = _tokens(5 + n, seed=4)
-    runner = _lean_runner(target_model, "w8a8", dtype)
+    runner = _cpu_runner(target_model, "w8a8", dtype)
     steps = torch.cat([runner.forward([t]) for t in tokens])
     runner.reset()
     runner.forward(tokens[:5])
@@ -222,7 +222,7 @@ def test_w8a8_follows_the_float_model(target_model: PreTrainedModel) -> None:
     argmax agreement 97%): exact batch invariance is only worth having on the right values."""
     tokens = _tokens(60, seed=1)
     reference = ModelRunner(target_model).forward(tokens)
-    logits = _lean_runner(target_model, "w8a8").forward(tokens)
+    logits = _cpu_runner(target_model, "w8a8").forward(tokens)
     relative = float((logits - reference).norm() / reference.norm())
     assert relative < 0.03, relative
     agreement = float((logits.argmax(-1) == reference.argmax(-1)).float().mean())
@@ -315,13 +315,13 @@ def test_lm_head_rows(kind: str) -> None:
         assert (cut[:, others] == float("-inf")).all()
 
 
-def test_runner_vocab_rows_over_lean_decoder(target_model: PreTrainedModel) -> None:
-    """A lean runner given vocab_rows (as the draft drafter is) returns the full runner's
+def test_runner_vocab_rows_over_cpu_decoder(target_model: PreTrainedModel) -> None:
+    """A CPU-forward runner given vocab_rows (as the draft drafter is) returns the full runner's
     logits at those rows and -inf elsewhere."""
     rows = torch.tensor([1, 2, 40, 96])
     tokens = _tokens(12, seed=8)
     taken = copy.deepcopy(target_model)
-    decoder = LeanDecoder(taken, "w8a8")
+    decoder = CpuDecoder(taken, "w8a8")
     full = ModelRunner(taken, decoder=decoder).forward(tokens)
     cut = ModelRunner(taken, decoder=decoder, vocab_rows=rows).forward(tokens)
     assert torch.equal(cut[:, rows], full[:, rows])
@@ -391,8 +391,8 @@ SPEC_PROMPTS = [[5, 17, 33, 2, 80, 41, 9], [60, 3, 91, 44, 12, 12, 70, 8, 25, 38
 @pytest.fixture(scope="module")
 def w8a8_runners(target_model: PreTrainedModel,
                  close_draft_model: PreTrainedModel) -> dict[str, ModelRunner]:
-    return {"target": _lean_runner(target_model, "w8a8"),
-            "draft": _lean_runner(close_draft_model, "w8a8")}
+    return {"target": _cpu_runner(target_model, "w8a8"),
+            "draft": _cpu_runner(close_draft_model, "w8a8")}
 
 
 @pytest.mark.parametrize("k", [1, 3, 8, 13])
@@ -433,12 +433,12 @@ def _tiny_gpt2() -> PreTrainedModel:
 
 def test_unsupported_reason() -> None:
     """Only Llama-family models with SiLU and full attention are taken; anything else is
-    refused with a reason naming what is unsupported, and LeanDecoder raises it."""
+    refused with a reason naming what is unsupported, and CpuDecoder raises it."""
     gpt2 = _tiny_gpt2()
     reason = unsupported_reason(gpt2)
     assert reason is not None and "gpt2" in reason and "llama" in reason and "qwen2" in reason
     with pytest.raises(ValueError, match="gpt2"):
-        LeanDecoder(gpt2, "w8a8")
+        CpuDecoder(gpt2, "w8a8")
     assert gpt2.transformer.h[0].attn.c_attn.weight.numel() > 0  # refused before emptying
 
     def qwen2(**overrides: object) -> PreTrainedModel:
@@ -462,17 +462,17 @@ def test_load_w8a8_refuses_unsupported_architecture(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="gpt2") as error:
         load_model(spec)
     assert "w8a8" in str(error.value) and "int8-weight-only" in str(error.value)
-    # the same folder loads without the lean forward
+    # the same folder loads without the CPU forward
     assert load_model(ModelSpec(str(tmp_path), dtype="float32", device="cpu")).decoder is None
 
 
-def test_load_w8a8_builds_lean_decoder(saved_model_dir: Path) -> None:
+def test_load_w8a8_builds_cpu_decoder(saved_model_dir: Path) -> None:
     """load_model(..., quantization="w8a8") of a saved Qwen2 gives a LoadedModel with a
-    LeanDecoder; its runners run that decoder, with the saved model's vocabulary and logits
+    CpuDecoder; its runners run that decoder, with the saved model's vocabulary and logits
     close to the float model's (the right weights were taken)."""
     spec = ModelSpec(str(saved_model_dir), dtype="bfloat16", device="cpu", quantization="w8a8")
     loaded = load_model(spec)
-    assert isinstance(loaded.decoder, LeanDecoder)
+    assert isinstance(loaded.decoder, CpuDecoder)
     assert loaded.decoder.dtype == torch.bfloat16
     runner = loaded.runner()
     assert runner.decoder is loaded.decoder and runner.vocab_size == TOKENIZER_VOCAB
@@ -489,7 +489,7 @@ def test_load_w8a8_builds_lean_decoder(saved_model_dir: Path) -> None:
     assert other.length == 0 and torch.equal(other.forward(tokens), logits)
     # loading again (the w8a8 weights may now come from a stored copy) gives the same model
     reloaded = load_model(spec)
-    assert isinstance(reloaded.decoder, LeanDecoder)
+    assert isinstance(reloaded.decoder, CpuDecoder)
     assert torch.equal(reloaded.runner().forward(tokens), logits)
 
 
@@ -499,18 +499,18 @@ def test_w8a8_store_is_reused_and_rebuilt_when_damaged(saved_model_dir: Path,
     and the float weights are never loaded: an empty model tree with the real config and
     generation settings) and gives the same logits; a damaged store is quantized again, never
     read as garbage."""
-    from localspec.models import lean_store, loading
+    from localspec.models import loading, packed_store
 
     spec = ModelSpec(str(saved_model_dir), dtype="bfloat16", quantization="w8a8")
     ids = list(range(3, 40))
     original = load_model(spec)
     first = original.runner().forward(ids)
-    store = lean_store.store_dir(saved_model_dir) / lean_store.WEIGHTS_NAME
+    store = packed_store.store_dir(saved_model_dir) / packed_store.WEIGHTS_NAME
     assert store.is_file()
 
     calls: list[str] = []
-    real_export = lean_store.export_weights
-    monkeypatch.setattr(lean_store, "export_weights",
+    real_export = packed_store.export_weights
+    monkeypatch.setattr(packed_store, "export_weights",
                         lambda *a, **k: calls.append("quantize") or real_export(*a, **k))
     real_load = loading.AutoModelForCausalLM.from_pretrained
     monkeypatch.setattr(loading.AutoModelForCausalLM, "from_pretrained",
@@ -531,14 +531,14 @@ def test_w8a8_store_is_reused_and_rebuilt_when_damaged(saved_model_dir: Path,
 
 def test_store_of_an_older_format_is_replaced(saved_model_dir: Path) -> None:
     """A new store removes what an earlier format left for the same model folder."""
-    from localspec.models import lean_store
+    from localspec.models import packed_store
 
-    current = lean_store.store_dir(saved_model_dir)
+    current = packed_store.store_dir(saved_model_dir)
     stale = current.with_name(current.name.rsplit("-", 1)[0] + "-0123456789ab")
     stale.mkdir(parents=True)
-    (stale / lean_store.WEIGHTS_NAME).write_bytes(b"old")
+    (stale / packed_store.WEIGHTS_NAME).write_bytes(b"old")
     load_model(ModelSpec(str(saved_model_dir), dtype="bfloat16", quantization="w8a8"))
-    assert (current / lean_store.WEIGHTS_NAME).is_file() and not stale.exists()
+    assert (current / packed_store.WEIGHTS_NAME).is_file() and not stale.exists()
 
 
 def test_draft_shares_the_targets_tokenizer_only_when_its_files_are_the_same(

@@ -1,6 +1,6 @@
 """EAGLE, EAGLE-3 and Medusa drafting on tiny targets: the runner's recorded features are the
 target's hidden states; every drafter's greedy output equals plain decoding (on the Hugging
-Face and the lean forward); heads built to be right are accepted exactly as predicted, which a
+Face and the CPU forward); heads built to be right are accepted exactly as predicted, which a
 drafter reading the wrong feature rows fails; the drafters' incremental proposals equal a
 from-scratch reference under any pattern of acceptances; seeded sampling completes and
 repeats. Loading the published layouts is ``test_head_layouts``."""
@@ -23,9 +23,9 @@ from localspec.drafters.eagle import EagleDrafter, eagle3_layers
 from localspec.drafters.eagle_head import EagleHead, EagleSpec, HeadCache
 from localspec.drafters.medusa import MedusaDrafter, MedusaHeads
 from localspec.engine.engine import GenerationRequest, SpeculativeEngine
-from localspec.engine.verify import SamplingParams
-from localspec.runtime.decoder import LeanDecoder
+from localspec.runtime.decoder import CpuDecoder
 from localspec.runtime.runner import ModelRunner
+from localspec.sampling import SamplingParams
 
 METHODS = ("eagle", "eagle3", "medusa")
 PROMPTS = ([5, 17, 33, 2, 80, 41, 9], [60, 3, 91, 44, 12, 12, 70, 8, 25, 38, 77])
@@ -72,23 +72,23 @@ def drafter_for(method: str, head: EagleHead | MedusaHeads, runner: ModelRunner)
     return EagleDrafter(head, runner)
 
 
-def lean(model: PreTrainedModel, kind: str = "w8a8") -> ModelRunner:
+def cpu(model: PreTrainedModel, kind: str = "w8a8") -> ModelRunner:
     taken = copy.deepcopy(model)
-    return ModelRunner(taken, decoder=LeanDecoder(taken, kind))
+    return ModelRunner(taken, decoder=CpuDecoder(taken, kind))
 
 
-RUNNERS: dict[str, Callable[[PreTrainedModel], ModelRunner]] = {"hf": ModelRunner, "lean": lean}
+RUNNERS: dict[str, Callable[[PreTrainedModel], ModelRunner]] = {"hf": ModelRunner, "cpu": cpu}
 
 
 # ----------------------------------------------------------------------------- features
 
 
-@pytest.mark.parametrize("path", ["hf", "lean"])
+@pytest.mark.parametrize("path", ["hf", "cpu"])
 def test_recorded_features_are_the_targets_hidden_states(path: str) -> None:
     """Every fed token's rows are kept (a prefill with logits_to_keep=1 included) and equal
     Hugging Face's hidden_states at the asked layers, through a crop and a re-feed."""
     model = llama_target()
-    runner = RUNNERS[path](model) if path == "hf" else lean(model, "dense")
+    runner = RUNNERS[path](model) if path == "hf" else cpu(model, "dense")
     layers = (0, 2, 4, 8)  # 8 = the final normed state
     tokens = [5, 17, 33, 2, 80, 41, 9, 60, 3, 91]
     with torch.no_grad():
@@ -118,7 +118,7 @@ def test_recorded_features_are_the_targets_hidden_states(path: str) -> None:
 # ----------------------------------------------------------------------------- lossless
 
 
-@pytest.mark.parametrize("path", ["hf", "lean"])
+@pytest.mark.parametrize("path", ["hf", "cpu"])
 @pytest.mark.parametrize("method", METHODS)
 def test_greedy_output_equals_plain_decoding(method: str, path: str) -> None:
     """Random heads on a random target: the output is the plain greedy output. The engines
@@ -167,7 +167,7 @@ def built_to_be_right(method: str, model: PreTrainedModel) -> EagleHead | Medusa
     return head.eval()
 
 
-@pytest.mark.parametrize("path", ["hf", "lean"])
+@pytest.mark.parametrize("path", ["hf", "cpu"])
 @pytest.mark.parametrize(("method", "accepted"), [("eagle", 3), ("eagle3", 1), ("medusa", 3)])
 def test_heads_built_to_be_right_are_accepted(method: str, accepted: int, path: str) -> None:
     """On the clock target, each step accepts exactly what the construction predicts, and the

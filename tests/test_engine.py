@@ -28,8 +28,8 @@ from localspec.engine.engine import (
     StepEvent,
 )
 from localspec.engine.stats import GenerationStats
-from localspec.engine.verify import SamplingParams
 from localspec.runtime.runner import ModelRunner
+from localspec.sampling import SamplingParams
 
 PROMPTS = {
     "random-a": [5, 17, 33, 2, 80, 41, 9],

@@ -37,7 +37,7 @@ from localspec.engine.engine import GenerationRequest, SpeculativeEngine
 from localspec.errors import ModelLoadError, PresetError
 from localspec.pipeline import check_method
 from localspec.presets import builtin_head_folder, load_preset
-from localspec.runtime.decoder import LeanDecoder
+from localspec.runtime.decoder import CpuDecoder
 from localspec.runtime.runner import ModelRunner
 
 FORMATS = {"eagle": ("pytorch_model.bin", "model.safetensors"),
@@ -179,11 +179,11 @@ def test_a_damaged_token_map_is_refused(tmp_path: Path, target: ModelRunner, dam
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3", "medusa"])
-def test_heads_take_the_targets_dtype_on_the_lean_path(tmp_path: Path, method: str) -> None:
-    """On the CPU production path (a bfloat16 target under the int8 lean forward, float32
+def test_heads_take_the_targets_dtype_on_the_cpu_path(tmp_path: Path, method: str) -> None:
+    """On the CPU production path (a bfloat16 target under the int8 CPU forward, float32
     features) a loaded head runs in bfloat16 and the output is still plain decoding's."""
     model = llama_target().to(torch.bfloat16)
-    runner = ModelRunner(model, decoder=LeanDecoder(model, "w8a8"))
+    runner = ModelRunner(model, decoder=CpuDecoder(model, "w8a8"))
     if method == "medusa":
         write_head(tmp_path, medusa_config(), medusa_tensors(HIDDEN, VOCAB), "medusa_lm_head.pt")
         heads = load_medusa_heads(read_head(str(tmp_path)), runner)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from localspec.drafters.ngram import NgramDrafter, find_ngram_continuation
-from localspec.engine.verify import SamplingParams
+from localspec.sampling import SamplingParams
 
 # (context, k, max_n, min_n, expected, what it proves)
 CASES = [

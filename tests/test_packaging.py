@@ -1,5 +1,5 @@
 """Packaging: ``pip install .`` must carry everything the package reads at run time, and the
-layout must keep its promises (no import cycles, the config module torch-free, modules small)."""
+layout must keep its promises (imports point down the layers, no cycles, modules small)."""
 
 from __future__ import annotations
 
@@ -14,14 +14,47 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "localspec"
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
+SETUPTOOLS = PYPROJECT["tool"]["setuptools"]
 MAX_MODULE_LINES = 400
+# The architecture, bottom first: a module may import its own subsystem and those on lower
+# floors, never one beside it or above (README: "dependencies point downwards").
+LAYERS: tuple[frozenset[str], ...] = (
+    frozenset({"errors"}),  # the torch-free base: errors, names and limits, user files
+    frozenset({"registry"}),
+    frozenset({"config"}),
+    frozenset({"files"}),
+    frozenset({"presets"}),
+    frozenset({"runtime", "sampling"}),  # forwards, kernels; pure sampling functions
+    frozenset({"models", "drafters"}),  # loading and caches; each drafter
+    frozenset({"engine"}),  # the draft/verify loop over a drafter
+    frozenset({"pipeline"}),  # a preset's models and engines
+    frozenset({"training"}),  # heads trained over a pipeline
+    frozenset({"ui", "api", "cli"}),  # the edges a user touches
+    frozenset({"__main__"}),
+)
+
+
+def test_every_package_is_listed() -> None:
+    """pyproject.toml lists the packages by name (the presets folder is mapped into one): a
+    subpackage missing from the list would be missing from the wheel."""
+    found = {".".join(p.parent.relative_to(REPO).parts) for p in PACKAGE.rglob("__init__.py")}
+    assert set(SETUPTOOLS["packages"]) == found | set(SETUPTOOLS["package-dir"])
+
+
+def test_presets_are_mapped_into_the_wheel() -> None:
+    """The top-level presets/ folder ships inside the wheel as localspec/data/presets/, where
+    ``presets_dir`` finds it in an installed copy."""
+    assert SETUPTOOLS["package-dir"] == {"localspec.data.presets": "presets"}
+    globs = SETUPTOOLS["package-data"]["localspec.data.presets"]
+    shipped = sorted(p.name for p in (REPO / "presets").iterdir())
+    assert shipped and all(any(fnmatch.fnmatch(name, g) for g in globs) for name in shipped)
 
 
 def test_package_data_covers_every_data_file() -> None:
     """Every file of the package that is not Python (under data/, the kernels' C source)
     matches a package-data glob, or an installed copy would miss it (presets, prompts, model
     configs are read through importlib.resources; the Q4_K kernel is compiled from its source)."""
-    globs = PYPROJECT["tool"]["setuptools"]["package-data"]["localspec"]
+    globs = SETUPTOOLS["package-data"]["localspec"]
     files = [p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*")
              if p.is_file() and p.suffix not in (".py", ".pyc") and "__pycache__" not in p.parts]
     assert files
@@ -71,8 +104,52 @@ def test_no_import_cycles() -> None:
         visit(module, [])
 
 
+def _subsystem(module: str) -> str:
+    """``localspec.engine.verify`` -> ``engine``; ``localspec.config`` -> ``config``."""
+    return module.split(".")[1] if "." in module else module
+
+
+def _floor(module: str) -> int:
+    subsystem = _subsystem(module)
+    floors = [i for i, layer in enumerate(LAYERS) if subsystem in layer]
+    assert floors, f"{module}: subsystem '{subsystem}' is on no floor of LAYERS"
+    return floors[0]
+
+
+def test_every_subsystem_has_a_floor() -> None:
+    for path in PACKAGE.rglob("*.py"):
+        if path.parent != PACKAGE or path.stem != "__init__":
+            _floor(_module_name(path))
+
+
+def test_imports_point_down() -> None:
+    """No import (lazy ones inside functions included) reaches a subsystem on the same floor or
+    a higher one: only its own subsystem and lower floors."""
+    upward = []
+    for path in PACKAGE.rglob("*.py"):
+        module = _module_name(path)
+        if module == "localspec":
+            continue
+        for dep in _imports(path):
+            if dep == "localspec" or _subsystem(dep) == _subsystem(module):
+                continue
+            if _floor(dep) >= _floor(module):
+                upward.append(f"{module} -> {dep}")
+    assert upward == []
+
+
+def test_layer_check_would_catch_an_upward_import() -> None:
+    """The check above is not vacuous: an engine module importing a drafter is on the floor
+    below, a drafter importing the engine is caught."""
+    assert _floor("localspec.drafters.base") < _floor("localspec.engine.engine")
+    assert _floor("localspec.sampling") < _floor("localspec.drafters.ngram")
+    assert _floor("localspec.pipeline") < _floor("localspec.training.answers")
+    assert _floor("localspec.training.corpus") < _floor("localspec.cli.prompts")
+
+
 def test_modules_stay_small() -> None:
-    """A newcomer reads a module in one sitting."""
+    """A newcomer reads a module in one sitting: Python and C alike."""
+    sources = [*PACKAGE.rglob("*.py"), *PACKAGE.rglob("*.c"), *PACKAGE.rglob("*.h")]
     sizes = {p.relative_to(REPO).as_posix(): len(p.read_text(encoding="utf-8").splitlines())
-             for p in PACKAGE.rglob("*.py")}
+             for p in sources}
     assert {k: v for k, v in sizes.items() if v > MAX_MODULE_LINES} == {}

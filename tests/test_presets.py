@@ -190,7 +190,7 @@ def test_non_utf8_file(tmp_path: Path) -> None:
     """Bytes that are not UTF-8 are a PresetError too, not a crash."""
     path = tmp_path / "bad.toml"
     path.write_bytes(b'name = "\xff\xfe"\n')
-    with pytest.raises(PresetError, match="not valid TOML"):
+    with pytest.raises(PresetError, match="line 1: not UTF-8 text"):
         load_preset(str(path))
 
 

@@ -26,8 +26,8 @@ from localspec.models.loading import ModelLoadError, check_same_tokenizer, load_
 from localspec.pipeline import Pipeline
 from localspec.presets import load_preset
 from localspec.runtime.kernels import KernelUnavailable, load_kernels
-from localspec.runtime.lean_weights import ConcatLinear
 from localspec.runtime.quant import Q4KLinear, Q6KLinear
+from localspec.runtime.weight_formats import ConcatLinear
 
 pytestmark = pytest.mark.real_model
 REPO = Path(__file__).resolve().parent.parent

@@ -80,7 +80,7 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _save_target(root: Path, name: str, model: torch.nn.Module) -> tuple[str, str]:
-    """Presets of the saved model as it is (float32) and in w8a8 (the lean int8 forward)."""
+    """Presets of the saved model as it is (float32) and in w8a8 (the int8 CPU forward)."""
     tokenizer = train_tokenizer(TOKENIZER_TEXTS)
     tokenizer.chat_template = CHAT_TEMPLATE
     model.save_pretrained(root / name)
@@ -181,7 +181,7 @@ def test_heads_trained_on_a_predictable_target_are_accepted(
     """The cycle target's drafts are learnable from the features and embeddings the drafter
     reads: the real engine accepts well over one token per pass (measured: 2.4 of 5; a
     head reading features one position off stays near 1.0), on the Hugging Face forward and
-    on the lean int8 one (the CPU presets' w8a8: features, LM head rows and final norm read
+    on the int8 CPU one (the CPU presets' w8a8: features, LM head rows and final norm read
     from the int8 decoder)."""
     report = train_cli(capsys, targets[target], method, tmp_path / "head", corpus,
                        "--steps", "60", "--lr", "1e-2", "--eval-prompts", "2", "--tokens", "2048",

@@ -10,14 +10,13 @@ import torch
 
 import localspec.engine.verify as verify_module
 from localspec.engine.verify import (
-    SamplingParams,
     Verdict,
     acceptance_probability,
-    logits_to_probs,
     residual_distribution,
     verify_greedy,
     verify_sampling,
 )
+from localspec.sampling import SamplingParams, logits_to_probs
 
 V = 7
 N_TRIALS = 20_000

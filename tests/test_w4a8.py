@@ -1,6 +1,6 @@
-"""The w4a8 lean forward on tiny random models: Q4_K matrices through the native kernel keep a
+"""The w4a8 CPU forward on tiny random models: Q4_K matrices through the native kernel keep a
 verify pass bit-identical to one-token steps (what keeps speculation lossless), "w4a8" takes a
-GGUF's Q4_K numbers only where they are exactly the model's weights, "w4a8-requant" quantizes
+GGUF's Q4_K numbers only where they are exactly the model's weights, "requant-q4k" quantizes
 every matrix, and ``load_model`` stores, reloads and falls back to w8a8 with a reason."""
 
 from __future__ import annotations
@@ -16,11 +16,10 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from localspec.config import ModelSpec
 from localspec.drafters.draft_model import DraftModelDrafter
 from localspec.engine.engine import GenerationRequest, SpeculativeEngine
-from localspec.engine.verify import SamplingParams
-from localspec.models import lean_store
-from localspec.models.gguf_q4k import hf_module_name, read_q4k_matrices
+from localspec.models import packed_store
+from localspec.models.gguf_kquants import hf_module_name, read_kquant_matrices
 from localspec.models.loading import load_model
-from localspec.runtime.decoder import LeanDecoder
+from localspec.runtime.decoder import CpuDecoder
 from localspec.runtime.kernels import (
     KernelUnavailable,
     KQuantWeights,
@@ -30,9 +29,10 @@ from localspec.runtime.kernels import (
     quantize_q4k,
     quantize_q6k,
 )
-from localspec.runtime.lean_weights import ConcatLinear, export_weights
 from localspec.runtime.quant import Q4KLinear, Q6KLinear, W8A8Linear
 from localspec.runtime.runner import ModelRunner
+from localspec.runtime.weight_formats import ConcatLinear, export_weights
+from localspec.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def _runner(model: PreTrainedModel, kind: str, lib: object,
             q4k: dict[str, KQuantWeights] | None = None,
             dtype: torch.dtype = torch.float32) -> ModelRunner:
     taken = copy.deepcopy(model).to(dtype)
-    return ModelRunner(taken, decoder=LeanDecoder(taken, kind, export_weights(taken, kind, q4k),
+    return ModelRunner(taken, decoder=CpuDecoder(taken, kind, export_weights(taken, kind, q4k),
                                                   lib))
 
 
@@ -75,7 +75,7 @@ def _as_q4k(model: PreTrainedModel, names: tuple[str, ...]) -> dict[str, Q4KWeig
 def test_w4a8_batch_equals_one_token_steps(lib: object, dtype: torch.dtype) -> None:
     """After any prefix, a pass over n tokens gives bit for bit the logits of n one-token
     steps, also after cropping back: the w4a8 model is a fixed function of each position."""
-    runner = _runner(make_tiny_model(seed=0), "w4a8-requant", lib, dtype=dtype)
+    runner = _runner(make_tiny_model(seed=0), "requant-q4k", lib, dtype=dtype)
     assert all(isinstance(layer.gate_up, Q4KLinear) for layer in runner.decoder.layers)
     tokens = _tokens(50, seed=3)
     steps = torch.cat([runner.forward([t]) for t in tokens])
@@ -98,7 +98,7 @@ def test_w4a8_native_stack_keeps_passes_equal_to_steps(lib: object) -> None:
     config.hidden_size, config.intermediate_size, config.num_attention_heads = 128, 128, 4
     torch.manual_seed(5)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    runner = _runner(model, "w4a8-requant", lib, dtype=torch.bfloat16)
+    runner = _runner(model, "requant-q4k", lib, dtype=torch.bfloat16)
     decoder = runner.decoder
     assert decoder.native is not None and decoder.row_attention is not None
     tokens = _tokens(150, seed=4)
@@ -138,7 +138,7 @@ def test_w4a8_native_stack_gives_the_same_bits_on_avx2(lib: object, tmp_path: Pa
     tokens = _tokens(30, seed=7)
     logits = []
     for variant in (lib, load_kernels(tmp_path / "avx2", variant="avx2")):
-        runner = _runner(model, "w4a8-requant", variant, dtype=torch.bfloat16)
+        runner = _runner(model, "requant-q4k", variant, dtype=torch.bfloat16)
         assert runner.decoder.native is not None
         logits.append(torch.cat([runner.forward(tokens[:20]), runner.forward(tokens[20:])]))
     assert torch.equal(*logits)
@@ -150,7 +150,7 @@ def test_w4a8_requant_follows_the_float_model(lib: object) -> None:
     model = make_tiny_model(seed=1)
     tokens = _tokens(60, seed=1)
     reference = ModelRunner(model).forward(tokens)
-    logits = _runner(model, "w4a8-requant", lib).forward(tokens)
+    logits = _runner(model, "requant-q4k", lib).forward(tokens)
     relative = float((logits - reference).norm() / reference.norm())
     assert relative < 0.15, relative
     agreement = float((logits.argmax(-1) == reference.argmax(-1)).float().mean())
@@ -225,8 +225,8 @@ def test_w4a8_greedy_speculation_equals_plain(lib: object) -> None:
     """Greedy speculation with a w4a8 target and a 4-bit draft emits exactly plain w4a8
     greedy decoding's tokens, with drafts both accepted and rejected."""
     target_model = make_tiny_model(seed=0)
-    target = _runner(target_model, "w4a8-requant", lib)
-    draft = _runner(perturbed_copy(target_model, seed=9, noise=0.05), "w4a8-requant", lib)
+    target = _runner(target_model, "requant-q4k", lib)
+    draft = _runner(perturbed_copy(target_model, seed=9, noise=0.05), "requant-q4k", lib)
     accepted = rejected = 0
     for prompt in ([5, 9, 2, 44], [60, 3, 17, 17, 8]):
         def make(prompt: list[int] = prompt) -> GenerationRequest:
@@ -244,9 +244,9 @@ def test_w4a8_greedy_speculation_equals_plain(lib: object) -> None:
 
 
 def test_load_w4a8_requant_stores_and_reloads(saved_model_dir: Path, lib: object) -> None:
-    """load_model(..., "w4a8-requant") serves Q4_K layers, stores them, and a second load
+    """load_model(..., "requant-q4k") serves Q4_K layers, stores them, and a second load
     reads the store (same logits, bit for bit)."""
-    spec = ModelSpec(str(saved_model_dir), dtype="bfloat16", quantization="w4a8-requant")
+    spec = ModelSpec(str(saved_model_dir), dtype="bfloat16", quantization="requant-q4k")
     first = load_model(spec)
     assert isinstance(first.decoder.layers[0].gate_up, Q4KLinear)
     ids = list(range(3, 30))
@@ -274,8 +274,8 @@ def test_w4a8_falls_back_to_w8a8_with_a_reason(saved_model_dir: Path,
     def unavailable(_: Path) -> object:
         raise KernelUnavailable("this CPU lacks avx512_vnni")
 
-    monkeypatch.setattr(lean_store, "load_kernels", unavailable)
-    kind, messages = _served_as(saved_model_dir, "w4a8-requant")
+    monkeypatch.setattr(packed_store, "load_kernels", unavailable)
+    kind, messages = _served_as(saved_model_dir, "requant-q4k")
     assert kind is W8A8Linear and any("lacks avx512_vnni" in m for m in messages)
 
 
@@ -289,4 +289,4 @@ def test_gguf_names_and_unreadable_files(tmp_path: Path) -> None:
     assert hf_module_name("token_embd.weight") is None
     garbage = tmp_path / "broken.gguf"
     garbage.write_bytes(b"GGUF" + bytes(range(256)) * 4)
-    assert len(read_q4k_matrices(garbage)) == 0
+    assert len(read_kquant_matrices(garbage)) == 0

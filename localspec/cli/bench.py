@@ -4,7 +4,7 @@ Methods: our engine's ``none`` (plain decoding, the baseline), ``draft_model`` a
 transformers' own ``hf-assisted`` (``generate(assistant_model=...)``), ``hf-lookup``
 (``generate(prompt_lookup_num_tokens=...)``) and ``hf-plain`` (plain ``generate``), run as
 anchors on the same weights — or, when the served target is ``w8a8`` (whose weights live in the
-lean CPU forward, not in a transformers model), on the same target unquantized in bfloat16,
+CPU forward, not in a transformers model), on the same target unquantized in bfloat16,
 loaded beside it: the bf16 path, side by side in the same run. Greedy only: that is where
 "identical to none" is defined (an hf-* row on the bf16 target is another model's output).
 Each method runs once on each prompt before any runs twice, so drift in machine speed (heat,
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from localspec.cli.prompts import encode_prompts, load_prompts
-from localspec.config import LEAN_QUANTIZATIONS, METHODS, Preset, unquantized_target
+from localspec.config import CPU_QUANTIZATIONS, METHODS, Preset, unquantized_target
 from localspec.drafters.simulated import SimulatedDrafter
 from localspec.errors import ConfigError, PresetError
 from localspec.pipeline import Pipeline, check_method
@@ -116,7 +116,7 @@ def hf_pipeline(pipe: Pipeline, methods: list[str], load: Callable[..., Pipeline
     if pipe.target.decoder is None:
         return pipe
     preset = unquantized_target(pipe.preset)
-    if preset.speculative_config.quantization in LEAN_QUANTIZATIONS:  # hf-assisted: a hf draft
+    if preset.speculative_config.quantization in CPU_QUANTIZATIONS:  # hf-assisted: a hf draft
         sc = preset.speculative_config.model_copy(update={"quantization": "none"})
         preset = preset.model_copy(update={"speculative_config": sc})
     return load(preset, need_draft=any(needs_draft(m) for m in hf))

@@ -28,9 +28,10 @@ from scipy.stats import chisquare
 from localspec.cli.bench import first_difference
 from localspec.cli.prompts import encode_prompts
 from localspec.config import HEAD_METHODS
-from localspec.engine.verify import SamplingParams, logits_to_probs, sample, verify_sampling
+from localspec.engine.verify import verify_sampling
 from localspec.pipeline import Pipeline
 from localspec.runtime.runner import ModelRunner
+from localspec.sampling import SamplingParams, logits_to_probs, sample
 
 NEAR_TIE_LOGITS = 0.5
 P_VALUE_THRESHOLD = 1e-3

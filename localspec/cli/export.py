@@ -23,7 +23,7 @@ VLLM_METHODS = {"draft_model": "draft_model", "ngram": "ngram", "eagle": "eagle"
 # LocalSpec quantization -> vLLM's (None: vLLM cannot quantize this way on the fly)
 VLLM_QUANTIZATION = {"none": "", "bnb-4bit": "bitsandbytes", "bnb-8bit": None,
                      "int8-weight-only": None, "w8a8": None, "w4a8": None,
-                     "w4a8-requant": None}
+                     "requant-q4k": None}
 
 
 @dataclass(frozen=True)

@@ -47,10 +47,10 @@ from localspec.config import parse_preset
 from localspec.drafters.draft_model import DraftModelDrafter
 from localspec.drafters.simulated import SimulatedDrafter
 from localspec.engine.engine import GenerationRequest, SpeculativeEngine
-from localspec.engine.verify import SamplingParams
 from localspec.errors import ConfigError
 from localspec.models.hardware import KNOWN_CONFIGS, estimate_preset
 from localspec.runtime.runner import ModelRunner
+from localspec.sampling import SamplingParams
 
 Log = Callable[[str], None]
 SHAPES = {  # (target, draft) as model_configs.json names them; "tiny" is built here

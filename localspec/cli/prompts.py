@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import json
 from importlib import resources
-from pathlib import Path
 from typing import Any
 
 from localspec.errors import InputFileError, LocalSpecError
+from localspec.files import read_user_text
 from localspec.pipeline import Pipeline
 
 KEYS = ("prompt", "messages", "category")
@@ -29,21 +29,6 @@ def _read_text(path: str | None) -> tuple[str, str]:
         text = resources.files("localspec").joinpath("data/bench_prompts.jsonl").read_text("utf-8")
         return text, BUILTIN
     return read_user_text(path, "prompts file"), path
-
-
-def read_user_text(path: str, what: str) -> str:
-    """A user's UTF-8 file (an editor's byte-order mark is no error); InputFileError that
-    names the file, what it is for and, for bad bytes, the line."""
-    try:
-        data = Path(path).expanduser().read_bytes()
-    except OSError as exc:  # missing, a directory, no permission
-        raise InputFileError(f"{path}: cannot read the {what}: {exc.strerror or exc}") from exc
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        line = data[: exc.start].count(b"\n") + 1
-        raise InputFileError(f"{path} line {line}: not UTF-8 text (byte "
-                             f"0x{data[exc.start]:02x}); save the file as UTF-8") from exc
 
 
 def _check_messages(messages: object, where: str) -> None:

@@ -41,14 +41,14 @@ from localspec.config import Preset, unquantized_target
 from localspec.errors import ConfigError, InputFileError, PresetError
 from localspec.pipeline import Pipeline
 from localspec.presets import load_preset
-from localspec.runtime.lean_weights import ROW_ATTENTION_MAX
 from localspec.runtime.runner import ModelRunner
+from localspec.runtime.weight_formats import ROW_ATTENTION_MAX
 
 AGREEMENT_GOAL = 0.97  # top-1 agreement, at least
 PERPLEXITY_INCREASE_GOAL_PCT = 1.0  # perplexity above the reference's, at most
 MAX_TOKENS_LIMIT = 1_000_000
 # tokens per forward: bounds the [chunk, vocab] logits (78 MB for Qwen), and at most
-# ROW_ATTENTION_MAX so that a lean target runs the path decoding runs (the native stack)
+# ROW_ATTENTION_MAX so that a CPU-path target runs the path decoding runs (the native stack)
 CHUNK_TOKENS = ROW_ATTENTION_MAX
 BUILTIN_TEXTS = ("python_textwrap.py.txt", "prose_python_docs.txt")
 

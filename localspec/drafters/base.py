@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from localspec.engine.verify import SamplingParams, logits_to_probs, sample
+from localspec.sampling import SamplingParams, logits_to_probs, sample
 
 
 @dataclass(frozen=True)

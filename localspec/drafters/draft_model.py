@@ -21,8 +21,8 @@ import time
 import torch
 
 from localspec.drafters.base import DraftChain, Proposal
-from localspec.engine.verify import SamplingParams
 from localspec.runtime.runner import ModelRunner
+from localspec.sampling import SamplingParams
 
 CATCH_UP_SPLIT = 4  # more tokens to catch up on than this are fed in a pass of their own
 

@@ -31,8 +31,8 @@ import torch
 
 from localspec.drafters.base import DraftChain, Proposal
 from localspec.drafters.eagle_head import EagleHead, HeadCache
-from localspec.engine.verify import SamplingParams
 from localspec.runtime.runner import ModelRunner
+from localspec.sampling import SamplingParams
 
 CATCH_UP_SPLIT = 4  # more positions than this to catch up on go in a timed pass of their own
 

@@ -27,7 +27,7 @@ from torch.nn import functional as F
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from localspec.runtime.lean_weights import spread_logits
+from localspec.runtime.weight_formats import spread_logits
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,11 @@ from safetensors.torch import load_file
 
 from localspec.config import BUILTIN_HEADS
 from localspec.errors import ModelLoadError
+from localspec.files import read_user_text
 from localspec.presets import builtin_head_folder
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.bin", "*.pt"]
+MAX_CONFIG_BYTES = 2**20  # a config.json is a few dozen settings
 
 
 @dataclass(frozen=True)
@@ -88,12 +90,11 @@ def read_config(folder: Path) -> dict[str, object]:
     path = folder / "config.json"
     if not path.is_file():
         return {}
+    text = read_user_text(path, "head's config.json", limit=MAX_CONFIG_BYTES, error=ModelLoadError)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
         raise ModelLoadError(f"{path} is not valid JSON: {exc}") from exc
-    except OSError as exc:
-        raise ModelLoadError(f"cannot read {path}: {exc.strerror or exc}") from exc
     if not isinstance(data, dict):
         raise ModelLoadError(f"{path} must hold a JSON object of settings")
     return data

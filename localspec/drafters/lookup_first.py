@@ -13,7 +13,7 @@ import torch
 
 from localspec.drafters.base import Drafter, Proposal
 from localspec.drafters.ngram import NgramDrafter
-from localspec.engine.verify import SamplingParams
+from localspec.sampling import SamplingParams
 
 
 class LookupFirstDrafter:

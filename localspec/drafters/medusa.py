@@ -28,9 +28,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from localspec.drafters.base import DraftChain, Proposal
-from localspec.engine.verify import SamplingParams
-from localspec.runtime.lean_weights import spread_logits
 from localspec.runtime.runner import ModelRunner
+from localspec.runtime.weight_formats import spread_logits
+from localspec.sampling import SamplingParams
 
 
 class ResidualBlock(nn.Module):

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from localspec.drafters.base import Proposal
-from localspec.engine.verify import SamplingParams
+from localspec.sampling import SamplingParams
 
 SINGLE_TOKEN_MATCH_DRAFTS = 3
 

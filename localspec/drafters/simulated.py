@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from localspec.drafters.base import Drafter, Proposal
-from localspec.engine.verify import SamplingParams
+from localspec.sampling import SamplingParams
 
 
 class SimulatedDrafter:

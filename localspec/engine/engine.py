@@ -22,15 +22,10 @@ import torch
 from localspec.config import MAX_SPECULATIVE_TOKENS
 from localspec.drafters.base import Drafter, Proposal
 from localspec.engine.adaptive import AdaptiveK
-from localspec.engine.verify import (
-    SamplingParams,
-    Verdict,
-    logits_to_probs,
-    verify_greedy,
-    verify_sampling,
-)
+from localspec.engine.verify import Verdict, verify_greedy, verify_sampling
 from localspec.errors import LocalSpecError
 from localspec.runtime.runner import ModelRunner
+from localspec.sampling import SamplingParams, logits_to_probs
 
 
 class GenerationError(LocalSpecError):

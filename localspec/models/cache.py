@@ -10,8 +10,8 @@ Layout under ``cache_root()`` (``LOCALSPEC_CACHE`` moves it):
   gguf/<file>.gguf (+ .manifest.json)    assembled built-in checkpoints
   models/<built-in name>/                converted built-in models (manifest inside)
   converted/<stem>-<key>/                converted user .gguf files (manifest inside)
-  w8a8/, w4a8/<folder>-<key>/            the lean forward's stored weights (``lean_store``)
-  kernels/lean-<variant>-<key>.so        the lean forward's compiled kernels (``runtime.kernels``)
+  w8a8/, w4a8/, requant-q4k/<folder>-<key>/  the CPU forward's packed weights (``packed_store``)
+  kernels/lean-<variant>-<key>.so        the CPU forward's compiled kernels (``runtime.kernels``)
 
 Every load checks the artefact's manifest (``integrity``); a mismatch, or a missing or
 unreadable manifest, rebuilds the artefact from its source, saying so. A built-in GGUF is

@@ -128,7 +128,7 @@ def weight_bytes(arch: Architecture, quantization: str = "none", dtype: str = "a
     """Bytes of weights once loaded: bnb-4bit is NF4 (half a byte) plus one float32 absmax per
     block of 64, bnb-8bit one byte plus a float32 scale per row, int8-weight-only one byte plus a
     compute-dtype scale per row; embeddings, LM head, norms and biases stay in the dtype. w8a8
-    (the lean CPU forward) is one byte plus a float32 scale per row for every linear layer, and
+    (the CPU forward) is one byte plus a float32 scale per row for every linear layer, and
     its LM head is held twice in int8 (packed for oneDNN, and plain for cutting a draft's rows):
     as many bytes as a bfloat16 head, on top of the embeddings even when they were tied. w4a8
     keeps a GGUF's Q4_K and Q6_K matrices as they are (4.5 bits a weight counted for every
@@ -147,7 +147,7 @@ def weight_bytes(arch: Architecture, quantization: str = "none", dtype: str = "a
     tied_head = arch.vocab_size * arch.hidden_size * 2 if arch.tie_word_embeddings else 0
     if quantization == "w8a8":
         return counts.linear + counts.linear_rows * 4 + other + tied_head
-    if quantization in ("w4a8", "w4a8-requant"):
+    if quantization in ("w4a8", "requant-q4k"):
         return counts.linear * 9 // 16 + other + tied_head
     raise HardwareError(f"no size rule for quantization '{quantization}'")
 

@@ -34,7 +34,7 @@ from transformers import (
     PreTrainedModel,
 )
 
-from localspec.config import DEVICES, DTYPES, LEAN_QUANTIZATIONS, QUANTIZATIONS, ModelSpec
+from localspec.config import CPU_QUANTIZATIONS, DEVICES, DTYPES, QUANTIZATIONS, ModelSpec
 from localspec.errors import ModelLoadError
 from localspec.models.builtin import BUILTIN_MODELS
 from localspec.models.cache import (
@@ -45,12 +45,12 @@ from localspec.models.cache import (
     no_progress,
     verify_manifest,
 )
-from localspec.models.gguf_q4k import read_q4k_matrices
-from localspec.models.lean_store import gguf_source, lean_decoder, lean_kind, stored_decoder
-from localspec.runtime.decoder import LeanDecoder, unsupported_reason
-from localspec.runtime.lean_weights import release_weights
+from localspec.models.gguf_kquants import read_kquant_matrices
+from localspec.models.packed_store import cpu_decoder, cpu_format, gguf_source, stored_decoder
+from localspec.runtime.decoder import CpuDecoder, unsupported_reason
 from localspec.runtime.quant import quantize_int8_weight_only
 from localspec.runtime.runner import ModelRunner
+from localspec.runtime.weight_formats import release_weights
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class LoadedModel:
     tokenizer: object
     folder: Path
     load_seconds: float
-    decoder: LeanDecoder | None = None  # the lean CPU forward ("w8a8", "w4a8"), else None
+    decoder: CpuDecoder | None = None  # the CPU forward ("w8a8", "w4a8"), else None
 
     @property
     def vocab_size(self) -> int:
@@ -169,7 +169,7 @@ def _quantization_config(quantization: str, dtype: torch.dtype) -> object | None
         raise ModelLoadError(
             f"quantization must be one of {', '.join(QUANTIZATIONS)}, got '{quantization}'"
         )
-    if quantization in ("none", "int8-weight-only", *LEAN_QUANTIZATIONS):  # applied after loading
+    if quantization in ("none", "int8-weight-only", *CPU_QUANTIZATIONS):  # applied after loading
         return None
     if importlib.util.find_spec("bitsandbytes") is None:
         raise ModelLoadError(f"quantization '{quantization}' needs bitsandbytes. Fix: "
@@ -253,7 +253,7 @@ def _load_folder(spec: ModelSpec, folder: Path, device: str, dtype: torch.dtype,
 def _skeleton(folder: Path, dtype: torch.dtype) -> PreTrainedModel | None:
     """The model's module tree with empty weights (its config, rotary tables and generation
     settings are real), for a forward whose weights come from elsewhere; None when the model
-    holds state the lean forward would miss (a buffer other than the rotary tables)."""
+    holds state the CPU forward would miss (a buffer other than the rotary tables)."""
     config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
@@ -270,9 +270,9 @@ def _skeleton(folder: Path, dtype: torch.dtype) -> PreTrainedModel | None:
     return model.eval()
 
 
-def _from_lean_store(spec: ModelSpec, folder: Path, dtype: torch.dtype, share: LoadedModel | None,
+def _from_packed_store(spec: ModelSpec, folder: Path, dtype: torch.dtype, share: LoadedModel | None,
                      kind: str, kernel_lib: object | None
-                     ) -> tuple[object, PreTrainedModel, LeanDecoder] | None:
+                     ) -> tuple[object, PreTrainedModel, CpuDecoder] | None:
     """Tokenizer, emptied model and decoder when ``folder``'s int8 weights are stored: the
     float weights are then never read (a second start of the 1.5B reads 1.5 GB, not 4.5)."""
     try:
@@ -298,15 +298,17 @@ def load_model(spec: ModelSpec, progress: Progress = no_progress,
     device = pick_device(spec.device)
     dtype = pick_dtype(spec.dtype, device)
     quantization = _quantization_config(spec.quantization, dtype)
-    lean = spec.quantization in LEAN_QUANTIZATIONS
-    if lean and device != "cpu":
+    cpu_path = spec.quantization in CPU_QUANTIZATIONS
+    if cpu_path and device != "cpu":
         raise ModelLoadError(f"quantization '{spec.quantization}' runs on CPUs; {spec.model} is "
                              f"set to load on {device}: use 'none' or a bnb quantization there")
     stored = STORAGE_DTYPES[dtype]
     folder = resolve_model(spec, progress, dtype=stored)
     progress(f"loading {spec.model}", 0.0)
-    kind, kernel_lib = lean_kind(spec, progress) if lean else ("", None)
-    if lean and (quick := _from_lean_store(spec, folder, dtype, share_tokenizer, kind, kernel_lib)):
+    kind, kernel_lib = cpu_format(spec, progress) if cpu_path else ("", None)
+    quick = cpu_path and _from_packed_store(spec, folder, dtype, share_tokenizer, kind,
+                                            kernel_lib)
+    if quick:
         tokenizer, model, decoder = quick
         progress(f"loaded {spec.model}", 1.0)
         return LoadedModel(spec.model, model, tokenizer, folder, time.perf_counter() - start,
@@ -330,16 +332,16 @@ def load_model(spec: ModelSpec, progress: Progress = no_progress,
     decoder = None
     if spec.quantization == "int8-weight-only":
         quantize_int8_weight_only(model, skip=("lm_head",))
-    elif lean:
+    elif cpu_path:
         reason = unsupported_reason(model)
         if reason is not None:
-            raise ModelLoadError(f"quantization '{spec.quantization}' of {spec.model}: the lean "
+            raise ModelLoadError(f"quantization '{spec.quantization}' of {spec.model}: the CPU "
                                  f"CPU forward does not support {reason}. Use 'none' or "
                                  "'int8-weight-only'")
         progress(f"{kind} weights of {spec.model}", 0.9)
         source = gguf_source(spec) if kind != "w8a8" else None
-        q4k = read_q4k_matrices(source) if source is not None else None
-        decoder = lean_decoder(model, folder, kind, q4k, kernel_lib)
+        q4k = read_kquant_matrices(source) if source is not None else None
+        decoder = cpu_decoder(model, folder, kind, q4k, kernel_lib)
     progress(f"loaded {spec.model}", 1.0)
     return LoadedModel(spec.model, model, tokenizer, folder, time.perf_counter() - start,
                        decoder)

@@ -1,10 +1,10 @@
-"""A lean CPU forward for Llama-family decoders (Llama, Qwen2) over a preallocated KV cache.
+"""A CPU forward for Llama-family decoders (Llama, Qwen2) over a preallocated KV cache.
 
 Why not the Hugging Face forward: on a 2-core CPU a 0.5B draft step spent about half its time
 in Python, masks and ``DynamicCache`` bookkeeping, and its linear layers are ``nn.Linear`` in
 bfloat16 (3 GB read per token of the 1.5B). Here each layer is seven tensor calls deep: fused
 q/k/v and fused gate/up projections in int8 (``W8A8Linear``) or in a GGUF's own Q4_K and Q6_K
-(``Q4KLinear``, ``Q6KLinear``: native kernels; formats in ``lean_weights``), RoPE from the
+(``Q4KLinear``, ``Q6KLinear``: native kernels; formats in ``weight_formats``), RoPE from the
 model's own rotary module (so every ``rope_scaling`` transformers knows is honoured), the new
 keys and values written in place into a static cache, and attention (the native kernel
 ``RowAttention`` over a bf16 cache, else PyTorch's SDPA with grouped-query heads). Rolling the
@@ -34,7 +34,9 @@ from torch.nn import functional as F
 from transformers import PreTrainedModel
 
 from localspec.runtime.kernels import RowAttention
-from localspec.runtime.lean_weights import (
+from localspec.runtime.native import NativeStack
+from localspec.runtime.quant import W8A8Linear
+from localspec.runtime.weight_formats import (
     ROW_ATTENTION_MAX,
     Linear,
     LMHead,
@@ -43,25 +45,23 @@ from localspec.runtime.lean_weights import (
     release_weights,
     rotate,
 )
-from localspec.runtime.native import NativeStack
-from localspec.runtime.quant import W8A8Linear
 
-LEAN_MODEL_TYPES = ("llama", "qwen2")
+CPU_MODEL_TYPES = ("llama", "qwen2")
 CACHE_BLOCK = 256  # the KV cache grows in blocks of this many positions
 # Up to this many new tokens, each query row attends in a call of its own over exactly the keys
 # it may see. A masked batch would sum over a longer, zero-padded row, and float sums of another
 # length round differently: a verify pass must compute each token bit for bit as the one-token
 # step of plain decoding does (measured: 2 of 6 real prompts diverged at a near-tie without it).
-LINEAR_KINDS = ("w8a8", "w4a8", "w4a8-requant", "dense")
+LINEAR_KINDS = ("w8a8", "w4a8", "requant-q4k", "dense")
 
 
 def unsupported_reason(model: PreTrainedModel) -> str | None:
-    """Why the lean forward cannot run ``model`` (None when it can)."""
+    """Why the CPU forward cannot run ``model`` (None when it can)."""
     config = model.config
-    if config.model_type not in LEAN_MODEL_TYPES:
-        return f"architecture '{config.model_type}' (supported: {', '.join(LEAN_MODEL_TYPES)})"
+    if config.model_type not in CPU_MODEL_TYPES:
+        return f"architecture '{config.model_type}' (supported: {', '.join(CPU_MODEL_TYPES)})"
     if model.device.type != "cpu":
-        return f"device {model.device} (the lean forward is for CPUs)"
+        return f"device {model.device} (the CPU forward is for CPUs)"
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"activation '{config.hidden_act}'"
     if getattr(config, "use_sliding_window", False):
@@ -104,11 +104,11 @@ class KVCache:
             setattr(self, name, grown)
 
 
-class LeanDecoder:
+class CpuDecoder:
     """Hidden states of a Llama-family model, computed with the given linear-layer kind.
 
-    ``linear`` is "w8a8" (int8 weights, per-token int8 activations), "w4a8" / "w4a8-requant"
-    (Q4_K and Q6_K weights where there are some, see ``lean_weights``) or "dense" (the loaded
+    ``linear`` is "w8a8" (int8 weights, per-token int8 activations), "w4a8" / "requant-q4k"
+    (Q4_K and Q6_K weights where there are some, see ``weight_formats``) or "dense" (the loaded
     dtype).
     ``head`` computes logits; a runner asks it for the rows it needs.
     """
@@ -122,7 +122,7 @@ class LeanDecoder:
         or Q6_K, attention over a bf16 cache, and all layers at once where it can."""
         reason = unsupported_reason(model)
         if reason is not None:
-            raise ValueError(f"the lean forward does not support {reason}")
+            raise ValueError(f"the CPU forward does not support {reason}")
         if linear not in LINEAR_KINDS:
             raise ValueError(f"linear must be one of {', '.join(LINEAR_KINDS)}, got {linear!r}")
         if weights is None:

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from localspec.runtime.kernels import RowAttention
-from localspec.runtime.lean_weights import ConcatLinear, Linear
 from localspec.runtime.quant import Q4KLinear, Q6KLinear
+from localspec.runtime.weight_formats import ConcatLinear, Linear
 
 MAX_PARTS = 4  # lean.c's MAX_PARTS: linear layers side by side in one fused projection
 _pointer, _size = ctypes.c_void_p, ctypes.c_int64
@@ -59,7 +59,7 @@ def _fused(linear: Linear, width: int) -> _Fused | None:
 
 
 class NativeStack:
-    """``LeanDecoder``'s layers as ``lean_forward`` takes them; the tensors stay owned by the
+    """``CpuDecoder``'s layers as ``lean_forward`` takes them; the tensors stay owned by the
     decoder's layers (and the norms kept here), so they outlive every call."""
 
     def __init__(self, lib: ctypes.CDLL, layers: ctypes.Array, norms: list[torch.Tensor],
@@ -73,7 +73,7 @@ class NativeStack:
     def build(cls, lib: ctypes.CDLL, layers: Sequence[Any], hidden: int, heads: int,
               kv_heads: int, head_dim: int, intermediate: int, eps: float, scale: float,
               cache_dtype: torch.dtype) -> NativeStack | None:
-        """For ``LeanDecoder`` layers (its ``_Layer``s); None when the C stack cannot run them."""
+        """For ``CpuDecoder`` layers (its ``_Layer``s); None when the C stack cannot run them."""
         if (not RowAttention.fits(heads, kv_heads, head_dim, cache_dtype)
                 or hidden % 16 or intermediate % 16):
             return None

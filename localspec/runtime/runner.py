@@ -3,7 +3,7 @@
 A runner owns one sequence's KV cache and offers three operations: feed new tokens and get
 their logits (and last hidden states, for feature-level drafters), roll the cache back to a
 length, and reset. Two forwards can sit under it: a Hugging Face causal LM (any architecture,
-any device), or ``LeanDecoder`` (Llama-family models on a CPU: int8 kernels, a static cache
+any device), or ``CpuDecoder`` (Llama-family models on a CPU: int8 kernels, a static cache
 whose rollback is a length change).
 
 The Hugging Face forward keeps a ``DynamicCache`` (it grows as tokens come), or, with
@@ -45,8 +45,8 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel, StaticCache
 
-from localspec.runtime.decoder import KVCache, LeanDecoder
-from localspec.runtime.lean_weights import spread_logits
+from localspec.runtime.decoder import CpuDecoder, KVCache
+from localspec.runtime.weight_formats import spread_logits
 
 FEATURE_BLOCK = 256  # the feature store grows by at least this many positions
 GRAPH_WIDTHS = (1, 2, 4, 8, 16, 32)  # CUDA graph buckets of tokens per forward; wider: eager
@@ -73,7 +73,7 @@ class ModelRunner:
 
     def __init__(self, model: PreTrainedModel, *, logits_fp32: bool = False,
                  vocab_rows: torch.Tensor | None = None,
-                 decoder: LeanDecoder | None = None, static_cache: int = 0,
+                 decoder: CpuDecoder | None = None, static_cache: int = 0,
                  cuda_graphs: bool = False) -> None:
         self.model = model
         self.config = model.config
@@ -88,7 +88,7 @@ class ModelRunner:
         self._graphed = None  # the compiled step (cuda_graphs; Hugging Face forward only)
         if decoder is not None:
             # int8 logits are exact int32 sums, the same in any batch: no float32 refinement.
-            self.lean_cache: KVCache = decoder.new_cache()
+            self.kv_cache: KVCache = decoder.new_cache()
             self._rows = vocab_rows
             self._head = decoder.head.part(vocab_rows)
             return
@@ -244,9 +244,9 @@ class ModelRunner:
         if self.decoder is not None:
             ids = torch.tensor(token_ids, dtype=torch.long)
             if layers is None:
-                hidden = self.decoder.forward(ids, self.lean_cache, self.length)
+                hidden = self.decoder.forward(ids, self.kv_cache, self.length)
             else:
-                hidden, features = self.decoder.forward_features(ids, self.lean_cache,
+                hidden, features = self.decoder.forward_features(ids, self.kv_cache,
                                                                  self.length, layers)
                 self._keep_features(self.length, features)
             self.length += len(token_ids)

@@ -35,8 +35,8 @@ from pathlib import Path
 from jinja2.exceptions import TemplateError
 from transformers import PreTrainedTokenizerBase
 
-from localspec.cli.prompts import read_user_text
 from localspec.errors import ConfigError, InputFileError
+from localspec.files import read_user_text
 
 logger = logging.getLogger(__name__)
 

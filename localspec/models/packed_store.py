@@ -1,8 +1,8 @@
-"""The lean forward's weights on disk (w8a8, w4a8): quantize once, then start from int8.
+"""The CPU forward's weights on disk (w8a8, w4a8): quantize once, then start from int8.
 
 Quantizing the 1.5B target from bfloat16 takes about half a minute on 2 cores and passes 3 GB
 of float temporaries through memory; reading its int8 tensors back takes a second. So the first
-``w8a8`` (or ``w4a8``) load of a model saves what the lean forward holds (int8 rows and
+``w8a8`` (or ``w4a8``) load of a model saves what the CPU forward holds (int8 rows and
 scales, packed Q4_K and Q6_K blocks, norms, the embedding) in ``<cache>/<kind>/<folder>-<key>/``,
 keyed by the source folder's path and the size and modification time of its weight files,
 and every later start reads that instead; the
@@ -43,13 +43,13 @@ from localspec.models.integrity import (
     write_manifest,
     writer_tag,
 )
-from localspec.runtime.decoder import LeanDecoder
+from localspec.runtime.decoder import CpuDecoder
 from localspec.runtime.kernels import KernelUnavailable, KQuantWeights, load_kernels
-from localspec.runtime.lean_weights import export_weights
+from localspec.runtime.weight_formats import export_weights
 
 logger = logging.getLogger(__name__)
 
-WEIGHTS_NAME = "lean-w8a8.safetensors"  # the same name in every kind's folder
+WEIGHTS_NAME = "packed-weights.safetensors"  # the same name in every kind's folder
 FORMAT = "3"  # bump when export_weights' names or layout change (2: down rotation, 3: Q6_K)
 
 
@@ -138,7 +138,7 @@ def _save(weights: dict[str, torch.Tensor], out_dir: Path) -> None:
 
 
 def _from_store(model: PreTrainedModel, out_dir: Path, kind: str,
-                kernel_lib: object | None) -> LeanDecoder | None:
+                kernel_lib: object | None) -> CpuDecoder | None:
     """The decoder from a stored folder, or None (with the reason logged) if it is unusable."""
     problem = verify_manifest(out_dir / MANIFEST_NAME)
     if problem is None:
@@ -146,7 +146,7 @@ def _from_store(model: PreTrainedModel, out_dir: Path, kind: str,
         try:
             tensors = _FileTensors(out_dir / WEIGHTS_NAME, mapped=("embed",))
             if tensors.metadata.get("format") == FORMAT:
-                return LeanDecoder(model, kind, tensors, kernel_lib)
+                return CpuDecoder(model, kind, tensors, kernel_lib)
             problem = "another format"
         except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
             problem = f"unreadable ({exc.__class__.__name__}: {exc})"
@@ -159,16 +159,16 @@ def _from_store(model: PreTrainedModel, out_dir: Path, kind: str,
 
 
 def stored_decoder(model: PreTrainedModel, folder: Path, kind: str = "w8a8",
-                   kernel_lib: object | None = None) -> LeanDecoder | None:
-    """The lean ``kind`` forward of the model in ``folder`` from its stored weights (``model``
+                   kernel_lib: object | None = None) -> CpuDecoder | None:
+    """The ``kind`` CPU forward of the model in ``folder`` from its stored weights (``model``
     may be an emptied skeleton: only its config and rotary tables are used), or None."""
     return _from_store(model, store_dir(folder, kind), kind, kernel_lib)
 
 
-def lean_decoder(model: PreTrainedModel, folder: Path, kind: str = "w8a8",
+def cpu_decoder(model: PreTrainedModel, folder: Path, kind: str = "w8a8",
                  q4k: Mapping[str, KQuantWeights] | None = None,
-                 kernel_lib: object | None = None) -> LeanDecoder:
-    """The lean ``kind`` forward of ``model`` (loaded from ``folder``): from the store when it
+                 kernel_lib: object | None = None) -> CpuDecoder:
+    """The ``kind`` CPU forward of ``model`` (loaded from ``folder``): from the store when it
     holds a sound copy, else quantized now (``q4k``: the source file's Q4_K and Q6_K matrices, for
     "w4a8") and stored for the next start."""
     out_dir = store_dir(folder, kind)
@@ -180,7 +180,7 @@ def lean_decoder(model: PreTrainedModel, folder: Path, kind: str = "w8a8",
         _save(weights, out_dir)
     except OSError as exc:  # a full or read-only disk costs the next start time, nothing else
         logger.warning("could not store %s weights in %s: %s", kind, out_dir, exc)
-    return LeanDecoder(model, kind, weights, kernel_lib)
+    return CpuDecoder(model, kind, weights, kernel_lib)
 
 
 def gguf_source(spec: ModelSpec) -> Path | None:
@@ -191,8 +191,8 @@ def gguf_source(spec: ModelSpec) -> Path | None:
     return path if path.suffix == ".gguf" else None
 
 
-def lean_kind(spec: ModelSpec, progress: Progress) -> tuple[str, object | None]:
-    """The lean forward a spec of LEAN_QUANTIZATIONS gets here, and the kernel library for the
+def cpu_format(spec: ModelSpec, progress: Progress) -> tuple[str, object | None]:
+    """The CPU forward a spec of CPU_QUANTIZATIONS gets here, and the kernel library for the
     w4a8 kinds. They need the native kernels (AVX2 or AVX-512 VNNI, and a C compiler), and
     "w4a8" a GGUF source (its Q4_K and Q6_K matrices); without them it is served as "w8a8",
     and the log and progress say why."""

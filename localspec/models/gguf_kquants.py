@@ -1,8 +1,8 @@
 """The Q4_K and Q6_K matrices of a GGUF file, as the file stores them (for the ``w4a8`` forward).
 
-transformers reads a GGUF by dequantizing it; the lean forward wants the quantized numbers
+transformers reads a GGUF by dequantizing it; the CPU forward wants the quantized numbers
 themselves, so that it reads 4.5 (Q4_K) or 6.6 (Q6_K) bits a weight instead of 8 and computes
-with exactly the weights the file holds. Only Llama-family names are mapped (the lean forward's
+with exactly the weights the file holds. Only Llama-family names are mapped (the CPU forward's
 families), and only those two types are taken: others (Q5_0, Q8_0, ...) stay with the int8 path.
 
 Whether a matrix really is the loaded model's weight is checked by the caller
@@ -43,7 +43,7 @@ def hf_module_name(gguf_name: str) -> str | None:
     return None
 
 
-class Q4KMatrices(Mapping[str, KQuantWeights]):
+class KQuantMatrices(Mapping[str, KQuantWeights]):
     """The Q4_K and Q6_K linear weights of a GGUF file by Hugging Face module name, each decoded
     when asked for (the file is memory-mapped: the 1.5B's would take 1.3 GB decoded at once)."""
 
@@ -61,7 +61,7 @@ class Q4KMatrices(Mapping[str, KQuantWeights]):
         return len(self._raw)
 
 
-def read_q4k_matrices(path: Path) -> Q4KMatrices:
+def read_kquant_matrices(path: Path) -> KQuantMatrices:
     """Every Q4_K and Q6_K linear weight of the GGUF at ``path``; empty (with the reason
     logged) when the file cannot be read, which costs speed, not correctness."""
     from gguf import GGMLQuantizationType, GGUFReader
@@ -78,4 +78,4 @@ def read_q4k_matrices(path: Path) -> Q4KMatrices:
         logger.warning("could not read the k-quant matrices of %s (%s): int8 instead", path,
                        exc)
         raw = {}
-    return Q4KMatrices(raw)
+    return KQuantMatrices(raw)

@@ -1,11 +1,11 @@
-"""The lean forward's weights: what ``export_weights`` makes of a transformers model, and the
+"""The CPU forward's weights: what ``export_weights`` makes of a transformers model, and the
 linear layers ``layer_linear`` builds back from those tensors (freshly made or read from the
 store). Kept apart from the forward itself (``decoder``): this is the part that changes when a
 new weight format arrives.
 
 Formats, by ``kind``: "dense" (the loaded dtype), "w8a8" (int8 rows with one scale each,
 ``W8A8Linear``), "w4a8" (a GGUF's Q4_K and Q6_K matrices as stored, ``Q4KLinear`` and
-``Q6KLinear``, the LM head included; others w8a8) and "w4a8-requant" (every layer matrix
+``Q6KLinear``, the LM head included; others w8a8) and "requant-q4k" (every layer matrix
 quantized to Q4_K, the head int8: a draft's head is cut to frequent rows). In the w8a8
 layers the down projection's weight is turned by a block Hadamard rotation (``hadamard``) and
 the forward turns its input the same way (``rotate``): see the decoder's docstring.
@@ -131,20 +131,20 @@ def _segments(modules: list[nn.Linear], names: list[str],
 
 def export_weights(model: PreTrainedModel, kind: str = "w8a8",
                    q4k: Mapping[str, KQuantWeights] | None = None) -> dict[str, torch.Tensor]:
-    """Every tensor the lean forward needs, quantized as ``kind`` says, by name (what
-    ``localspec.models.lean_store`` saves so that later starts skip the quantization). The
+    """Every tensor the CPU forward needs, quantized as ``kind`` says, by name (what
+    ``localspec.models.packed_store`` saves so that later starts skip the quantization). The
     model's layer weights are released as they are converted.
 
     "w4a8": the matrices ``q4k`` holds (by module name, as a GGUF file stores them, Q4_K or
     Q6_K) that are exactly the model's weights are kept so for the native kernels; all others
-    are w8a8. "w4a8-requant": every other layer matrix is quantized to Q4_K. A fused layer
+    are w8a8. "requant-q4k": every other layer matrix is quantized to Q4_K. A fused layer
     is then stored as segments ``<name>.<s>.*`` of one kind each."""
     q4k = q4k or {}
     backbone = model.base_model
     module_names = {module: name for name, module in model.named_modules()}
     weights = {"embed": backbone.embed_tokens.weight.detach().clone(),
                "norm": backbone.norm.weight.detach().float()}
-    segmented = kind in ("w4a8", "w4a8-requant")
+    segmented = kind in ("w4a8", "requant-q4k")
     if kind != "dense":
         weights["down_rotation"] = hadamard(model.config.intermediate_size)
     for i, layer in enumerate(backbone.layers):
@@ -153,7 +153,7 @@ def export_weights(model: PreTrainedModel, kind: str = "w8a8",
                  "gate_up": [mlp.gate_proj, mlp.up_proj], "down": [mlp.down_proj]}
         for name, modules in parts.items():
             segments = [(kind, modules, [])] if not segmented else _segments(
-                modules, [module_names[m] for m in modules], q4k, kind == "w4a8-requant")
+                modules, [module_names[m] for m in modules], q4k, kind == "requant-q4k")
             for s, (seg_kind, seg_modules, exact) in enumerate(segments):
                 prefix = f"layers.{i}.{name}.{s}" if segmented else f"layers.{i}.{name}"
                 if name == "down" and seg_kind == "w8a8":  # x W^T = (x H)(W H)^T
@@ -276,7 +276,7 @@ class LMHead:
 
 
 def release_weights(model: nn.Module) -> None:
-    """Drop every weight of ``model`` (the lean copies replace them), so that one copy is in
+    """Drop every weight of ``model`` (the packed copies replace them), so that one copy is in
     memory; the module tree stays for its config and generation settings."""
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
