@@ -98,6 +98,9 @@ MAX_BENCH_REPEATS = 100
 # The most a file the user names may hold (prompts, presets, texts, training documents):
 # far beyond any real one, and a bound on what a mistaken path (/dev/zero) can make us read.
 MAX_USER_FILE_BYTES = 64 * 2**20
+# The most a training corpus the user names (files and folders together) may hold: ~60M tokens,
+# days of feature extraction on a CPU; a bound on what `--corpus /` makes us read.
+MAX_CORPUS_BYTES = 4 * MAX_USER_FILE_BYTES
 # The span of the app's sliders: the useful range, inside the limits above.
 SLIDER_MAX = {"temperature": 2.0, "top_k": 200, "max_new_tokens": 8192}
 

@@ -3,11 +3,15 @@
 
 This module finds and reads preset files; what a preset may say is ``localspec.config``'s
 schema. A preset is named by its file stem (``cpu-qwen-coder-draft``) or by a path to any
-``.toml`` file. Every error names the file, the key and what would be accepted. Torch-free.
+``.toml`` file: a name with a ``/`` or ending in ``.toml`` that exists is that file (read as
+any user's file: a folder or a pipe is refused, the size bounded), one that does not exist is
+"no such file" (or a shipped preset of that stem); a bare name is a shipped preset or an error
+that lists them. Every error names the file, the key and what would be accepted. Torch-free.
 """
 
 from __future__ import annotations
 
+import os
 import tomllib
 from importlib import resources
 from importlib.resources.abc import Traversable
@@ -15,7 +19,7 @@ from pathlib import Path
 
 from localspec.config import DEFAULT_PRESET, Preset, parse_preset
 from localspec.errors import PresetError
-from localspec.files import read_user_text
+from localspec.files import parse_failure, read_user_text
 
 MAX_PRESET_BYTES = 2**20  # a preset is a few dozen lines
 
@@ -44,17 +48,24 @@ def list_preset_names() -> list[str]:
 
 
 def preset_path(name_or_path: str) -> Path | Traversable:
-    """A name from the shipped presets (with or without .toml) or a path to a file."""
+    """A name from the shipped presets (with or without .toml) or a path to a file; a path
+    that exists is returned as it is (``load_preset`` reads it as a user's file)."""
     path = Path(name_or_path).expanduser()
-    if path.suffix == ".toml" and path.is_file():
+    is_path = path.suffix == ".toml" or os.sep in name_or_path
+    if is_path and os.path.lexists(path):
         return path
-    candidate = presets_dir().joinpath(f"{name_or_path.removesuffix('.toml')}.toml")
-    if "/" not in name_or_path and candidate.is_file():
+    stem = name_or_path.removesuffix(".toml")
+    candidate = presets_dir().joinpath(f"{stem}.toml")
+    if os.sep not in name_or_path and candidate.is_file():
         return candidate
-    if path.suffix == ".toml" and path.exists():
-        raise PresetError(f"preset '{name_or_path}' is not a file")
-    raise PresetError(f"unknown preset '{name_or_path}': not a .toml file, and the shipped "
-                      f"presets are {', '.join(list_preset_names()) or 'none'}")
+    shipped = ", ".join(list_preset_names()) or "none"
+    if os.sep in name_or_path:
+        raise PresetError(f"{name_or_path}: no such file")
+    if is_path:
+        raise PresetError(f"{name_or_path}: no such file, and no shipped preset is called "
+                          f"{stem} (they are {shipped})")
+    raise PresetError(f"unknown preset '{name_or_path}': the shipped presets are {shipped}; "
+                      "a preset of your own is named by a path ending in .toml")
 
 
 def load_preset(name_or_path: str) -> Preset:
@@ -67,4 +78,6 @@ def load_preset(name_or_path: str) -> Preset:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise PresetError(f"{path}: not valid TOML: {exc}") from exc
+    except (RecursionError, ValueError) as exc:  # what the TOML parser cannot hold
+        raise PresetError(f"{path}: not TOML that can be read: {parse_failure(exc)}") from exc
     return parse_preset(data, where=str(path)).model_copy(update={"path": path})

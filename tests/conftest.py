@@ -241,6 +241,17 @@ def presets(tiny_folders: dict[str, Path], tmp_path_factory: pytest.TempPathFact
             "no-template": write_preset(plain, saved_model_dir)}
 
 
+@pytest.fixture
+def no_loading(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any model load fails the command loudly: proves a check came before loading."""
+    from localspec.pipeline import Pipeline
+
+    def refuse(*_args: object, **_kwargs: object) -> Pipeline:
+        raise AssertionError("a model was loaded before the flags were checked")
+
+    monkeypatch.setattr(Pipeline, "load", refuse)
+
+
 def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
     """main(args) in-process: (exit status, stdout, stderr); argparse's exits included."""
     try:

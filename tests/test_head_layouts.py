@@ -313,7 +313,7 @@ def test_a_pickle_that_needs_more_than_weights_is_refused_unrun(tmp_path: Path) 
 @pytest.mark.parametrize(("setup", "needle"), [
     ("absent", "not found"), ("a file", "is a file"), ("empty", "holds no weights"),
     ("truncated", "damaged or incomplete"), ("not a dict", "not a state dict"),
-    ("bad json", "not valid JSON")])
+    ("bad json", "not JSON")])
 def test_unreadable_heads_are_refused(tmp_path: Path, setup: str, needle: str) -> None:
     folder = tmp_path / "head"
     if setup == "a file":

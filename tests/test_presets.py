@@ -202,10 +202,11 @@ def test_unknown_preset_lists_available() -> None:
         assert name in str(info.value)
 
 
-def test_missing_toml_path_is_unknown(tmp_path: Path) -> None:
-    """A .toml path that does not exist is reported, not opened."""
-    with pytest.raises(PresetError, match="unknown preset"):
-        load_preset(str(tmp_path / "absent.toml"))
+def test_missing_toml_path_is_no_such_file(tmp_path: Path) -> None:
+    """A .toml path that does not exist is reported as missing, not opened."""
+    absent = tmp_path / "absent.toml"
+    with pytest.raises(PresetError, match=f"^{absent}: no such file$"):
+        load_preset(str(absent))
 
 
 def test_parse_preset_where_prefix() -> None:

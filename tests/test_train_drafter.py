@@ -34,6 +34,7 @@ from localspec.drafters.head_files import read_head
 from localspec.drafters.head_layouts import load_eagle_head, load_medusa_heads
 from localspec.drafters.medusa import MedusaDrafter, MedusaHeads
 from localspec.engine.engine import GenerationRequest, SpeculativeEngine
+from localspec.errors import InputFileError
 from localspec.pipeline import Pipeline
 from localspec.presets import load_preset
 from localspec.runtime.runner import ModelRunner
@@ -313,6 +314,7 @@ def test_init_trains_a_head_further(capsys: pytest.CaptureFixture[str], tmp_path
 @pytest.mark.parametrize(("change", "needles"), [
     ({"--method": "eagle4"}, ["unknown --method 'eagle4'", "eagle3"]),
     ({"--corpus": "/nonexistent/texts"}, ["--corpus /nonexistent/texts: no such file"]),
+    ({"--corpus": "/dev/zero"}, ["/dev/zero: cannot read the corpus file: it is not a regular"]),
     ({"--corpus": "{tmp}/empty"}, ["no text to train on"]),
     ({"--out": "{tmp}/file/sub"}, ["cannot write there"]),
     ({"--resume": ""}, ["holds no checkpoint to resume"]),
@@ -342,6 +344,32 @@ def test_bad_input_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str], tm
         if value is not None:
             args += [flag, value.format(tmp=tmp_path)] if value else [flag]
     assert_user_error(run_cli(capsys, "train-drafter", *args), *needles)
+
+
+def test_corpus_is_bounded_in_total(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each file is bounded when it is read; a folder of many is bounded too, by the sizes of
+    what it holds, before any is read."""
+    import localspec.training.corpus as corpus_module
+
+    monkeypatch.setattr(corpus_module, "MAX_CORPUS_BYTES", 100)
+    for name in ("a.txt", "b.md"):
+        (tmp_path / name).write_text("word " * 12, encoding="utf-8")
+    with pytest.raises(InputFileError, match=f"--corpus {tmp_path}: its files hold 120 bytes, "
+                                             "more than the 100 bytes"):
+        user_documents([str(tmp_path)])
+
+
+def test_corpus_folder_that_cannot_be_listed(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--corpus /`` meets /proc/1/cwd: an error naming what could not be read."""
+
+    def denied(*_args: object) -> None:
+        raise PermissionError(13, "Permission denied", "/proc/1/cwd")
+
+    monkeypatch.setattr(Path, "rglob", denied)
+    with pytest.raises(InputFileError, match=f"--corpus {tmp_path}: cannot read /proc/1/cwd: "
+                                             "Permission denied"):
+        user_documents([str(tmp_path)])
 
 
 def test_resume_with_other_settings_is_refused(capsys: pytest.CaptureFixture[str],

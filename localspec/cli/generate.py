@@ -1,7 +1,8 @@
 """``localspec generate``: flags checked against the preset, then one or more samples printed.
 
 Everything a flag can get wrong (NaN temperature, top-p out of (0, 1], a seed beyond 64 bits,
-seeds S..S+N-1 that overflow, a method the preset cannot run, an empty prompt) is refused from
+seeds S..S+N-1 that overflow, a method the preset cannot run, an empty prompt, a prompt whose
+bytes are not UTF-8: Python hands those over as lone surrogates) is refused from
 the preset alone, before the models load: a typo must not cost a model load. The engine's own
 checks (a prompt longer than the context) still run after loading, and raise the same family
 of errors.
@@ -20,6 +21,7 @@ from localspec.config import MAX_SEED, Preset
 from localspec.engine.engine import StepEvent
 from localspec.engine.stats import GenerationStats
 from localspec.errors import RequestError
+from localspec.files import check_unicode
 from localspec.pipeline import check_method, request_settings_for
 from localspec.presets import load_preset
 
@@ -40,6 +42,7 @@ def plan_generate(args: argparse.Namespace) -> GeneratePlan:
     preset = load_preset(args.preset)
     method = args.method or preset.speculative_config.method
     check_method(preset, method)
+    check_unicode(args.prompt, "--prompt", RequestError)
     if args.raw and args.prompt == "":
         raise RequestError("--prompt is empty: nothing to continue")
     if not args.raw and not args.prompt.strip():

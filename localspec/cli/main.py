@@ -9,6 +9,9 @@ Every expected failure (a ``LocalSpecError``: bad preset, missing model, mismatc
 over-long prompt, bad setting, unreadable prompts file) ends with one line
 ``localspec: error: ...`` and exit status 2. Anything else is a bug: its traceback goes to a
 log file under the cache folder, the user sees one line naming it and that file, exit status 1.
+Neither can fail on what the text holds: the log is written with lone surrogates escaped, and
+stdout, like Python's stderr, escapes them too (a file name that is not UTF-8 in a table or in
+JSON, where the escape is valid JSON) instead of raising mid-print.
 
 ``localspec train-drafter`` trains an EAGLE, EAGLE-3 or Medusa head (``cli/train_drafter``).
 """
@@ -38,7 +41,7 @@ from localspec.config import (
     METHODS,
     cache_root,
 )
-from localspec.errors import LocalSpecError
+from localspec.errors import ConfigError, LocalSpecError
 from localspec.pipeline import request_settings_for
 from localspec.presets import load_preset
 
@@ -66,6 +69,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     from localspec.cli.bench import (
+        HF_METHODS,
         SIMULATED,
         check_methods,
         default_methods,
@@ -82,8 +86,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.methods is None and not simulated:
         methods = default_methods(preset)
     else:
-        named = [m.strip() for m in (args.methods or "none").split(",") if m.strip()]
-        methods = check_methods(preset, named + simulated)
+        named = [m.strip() for m in (args.methods or "").split(",") if m.strip()]
+        if args.methods is not None and not named:
+            raise ConfigError(f"--methods {args.methods!r} names no method: give one or more of "
+                              f"{', '.join(METHODS + HF_METHODS)}, separated by commas")
+        methods = check_methods(preset, (named or ["none"]) + simulated)
     request_settings_for(preset, max_new_tokens=args.max_new_tokens, temperature=0.0)
     prompts = load_prompts(args.prompts)
     pipe = load_pipeline(preset, need_draft=any(needs_draft(m) for m in methods))
@@ -240,15 +247,27 @@ def write_crash_log(exc: BaseException, argv: Sequence[str]) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"crash-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
     text = "".join(traceback.format_exception(exc))
-    path.write_text(f"localspec {shlex.join(argv)}\n\n{text}", encoding="utf-8")
+    path.write_text(f"localspec {shlex.join(argv)}\n\n{text}", encoding="utf-8",
+                    errors="backslashreplace")  # lone surrogates in a message or argument
     return path
+
+
+def _summary(exc: BaseException) -> str:
+    """``Type: first line of the message``, escaped to ASCII-safe text; the type alone when
+    the message is empty or cannot be made."""
+    try:
+        message = str(exc)
+    except Exception:  # any __str__ may raise anything; the report of a bug must not
+        message = ""
+    first_line = next(iter(message.strip().splitlines()), "")
+    first_line = first_line.encode("utf-8", "backslashreplace").decode("utf-8")
+    return f"{type(exc).__name__}: {first_line}" if first_line else type(exc).__name__
 
 
 def _report_bug(exc: Exception, argv: Sequence[str]) -> int:
     """One line for the user, the traceback in a log file (on stderr if that cannot be
     written: a bug must never be hidden)."""
-    first_line = next(iter(str(exc).strip().splitlines()), "")
-    summary = f"{type(exc).__name__}: {first_line}" if first_line else type(exc).__name__
+    summary = _summary(exc)
     try:
         path = write_crash_log(exc, argv)
     except OSError as log_error:
@@ -272,6 +291,9 @@ def _silence_stdout() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; returns the exit status (argparse exits 2 itself on a bad flag)."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    reconfigure = getattr(sys.stdout, "reconfigure", None)
+    if reconfigure is not None:  # a real text stream (not every test's stand-in)
+        reconfigure(errors="backslashreplace")
     transformers_logging.disable_progress_bar()  # our own bar shows loading; one is enough
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)

@@ -2,21 +2,21 @@
 
 One JSON object a line: ``{"prompt": "..."}`` or ``{"messages": [{"role": ..., "content": ...},
 ...]}``, with an optional ``"category"``. Everything that can be wrong with the file (missing,
-a directory, not UTF-8, not JSON, a wrong key or type, a conversation the chat template refuses,
-a prompt longer than the model's context) is an ``InputFileError`` naming the file and line,
-raised before the first generation: a benchmark must not fail an hour in on line 40.
+a directory, not UTF-8, not JSON, JSON nested too deeply or with an endless integer, a lone
+surrogate from a ``\ud800`` escape, a wrong key or type, a conversation the chat template
+refuses, a prompt longer than the model's context) is an ``InputFileError`` naming the file and
+line, raised before the first generation: a benchmark must not fail an hour in on line 40.
 
 It does not run anything; ``bench`` and ``check`` do.
 """
 
 from __future__ import annotations
 
-import json
 from importlib import resources
 from typing import Any
 
 from localspec.errors import InputFileError, LocalSpecError
-from localspec.files import read_user_text
+from localspec.files import parse_json, read_user_text
 from localspec.pipeline import Pipeline
 
 KEYS = ("prompt", "messages", "category")
@@ -52,10 +52,7 @@ def _check_messages(messages: object, where: str) -> None:
 def parse_row(line: str, where: str) -> dict[str, Any]:
     """One JSONL line as ``{"category", "prompt" | "messages", "where"}``; ``where`` names the
     file and line for errors found later (chat template, context length)."""
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise InputFileError(f"{where}: not JSON: {exc}") from exc
+    row = parse_json(line, where)
     if not isinstance(row, dict):
         raise InputFileError(f"{where}: need a JSON object, got {type(row).__name__}")
     unknown = sorted(set(row) - set(KEYS))

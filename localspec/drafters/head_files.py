@@ -11,7 +11,6 @@ to do. What the tensors mean is for ``localspec.drafters.head_layouts``.
 
 from __future__ import annotations
 
-import json
 import pickle
 import re
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from safetensors.torch import load_file
 
 from localspec.config import BUILTIN_HEADS
 from localspec.errors import ModelLoadError
-from localspec.files import read_user_text
+from localspec.files import parse_json, read_user_text
 from localspec.presets import builtin_head_folder
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.bin", "*.pt"]
@@ -91,10 +90,7 @@ def read_config(folder: Path) -> dict[str, object]:
     if not path.is_file():
         return {}
     text = read_user_text(path, "head's config.json", limit=MAX_CONFIG_BYTES, error=ModelLoadError)
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ModelLoadError(f"{path} is not valid JSON: {exc}") from exc
+    data = parse_json(text, str(path), ModelLoadError)
     if not isinstance(data, dict):
         raise ModelLoadError(f"{path} must hold a JSON object of settings")
     return data

@@ -17,8 +17,10 @@ would be another distribution (no template tokens, no code fence, no request to 
 User files (``--corpus PATH ...``): ``.py`` files are read like the standard library (functions
 without a docstring are asked for by name); ``.txt``, ``.md`` and ``.rst`` files are cut at
 blank lines into pieces of about ``TEXT_PIECE`` characters, each asked for as "the next part"
-of its file. Folders are searched recursively. The target's own answers to the same requests
-(self-distillation, ``--answers target``) are made in ``answers.py``.
+of its file. Folders are searched recursively. Each file is read as any user's file (regular
+files only, bounded); together they may hold at most ``MAX_CORPUS_BYTES``, checked from their
+sizes before any is read. The target's own answers to the same requests (self-distillation,
+``--answers target``) are made in ``answers.py``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import logging
+import os
 import sysconfig
 import textwrap
 from collections.abc import Callable, Iterable, Iterator
@@ -35,6 +38,7 @@ from pathlib import Path
 from jinja2.exceptions import TemplateError
 from transformers import PreTrainedTokenizerBase
 
+from localspec.config import MAX_CORPUS_BYTES
 from localspec.errors import ConfigError, InputFileError
 from localspec.files import read_user_text
 
@@ -138,18 +142,30 @@ def default_documents() -> Iterator[Document]:
             yield from python_documents(path.name, source)
 
 
-def _user_files(paths: Iterable[str]) -> list[Path]:
-    """Files named or found under the folders named; InputFileError for a missing path."""
+def _user_files(paths: list[str]) -> list[Path]:
+    """Files named (whatever they are: reading refuses what is not a regular file) or found
+    under the folders named (regular files with a known suffix); InputFileError for a missing
+    path, or for more than ``MAX_CORPUS_BYTES`` in all."""
     files: list[Path] = []
-    for name in paths:
-        path = Path(name).expanduser()
-        if path.is_dir():
-            files += sorted(p for p in path.rglob("*") if p.is_file()
-                            and p.suffix in (".py", *TEXT_SUFFIXES))
-        elif path.is_file():
-            files.append(path)
-        else:
-            raise InputFileError(f"--corpus {name}: no such file or folder")
+    name = " ".join(paths)
+    try:
+        for name in paths:
+            path = Path(name).expanduser()
+            if path.is_dir():
+                files += sorted(p for p in path.rglob("*") if p.is_file()
+                                and p.suffix in (".py", *TEXT_SUFFIXES))
+            elif os.path.lexists(path):
+                files.append(path)
+            else:
+                raise InputFileError(f"--corpus {name}: no such file or folder")
+        total = sum(p.stat().st_size for p in files if p.is_file())
+    except OSError as exc:  # a folder, or something under it, that cannot be listed
+        raise InputFileError(f"--corpus {name}: cannot read {exc.filename or name}: "
+                             f"{exc.strerror or exc}") from exc
+    if total > MAX_CORPUS_BYTES:
+        raise InputFileError(f"--corpus {' '.join(paths)}: its files hold {total:,} bytes, more "
+                             f"than the {MAX_CORPUS_BYTES:,} bytes a corpus may hold; name "
+                             "fewer files or folders")
     return files
 
 

@@ -11,7 +11,9 @@ What the user sees when things go wrong: a refusal before any token (a bad setti
 over-long prompt, a method the preset cannot run) takes the user's turn back and puts the
 message back into the box; a failure mid-answer keeps the partial answer; there is never an
 empty assistant turn. Expected failures are ``LocalSpecError``; anything else is a bug, logged
-with its traceback and shown as a short message.
+with its traceback and shown as a short message. Text that is not valid Unicode (lone
+surrogates: a page can send them, no tokenizer or page takes them) is refused before anything
+is shown; a message comes back into the box with U+FFFD in their place, to edit or send as is.
 
 Concurrency: Gradio may run several sessions' handlers at once; the host's generation lock lets
 one generate, and the others say that they are waiting (and can be stopped while they wait).
@@ -29,6 +31,7 @@ import gradio as gr
 
 from localspec.engine.engine import GenerationRequest, StepEvent
 from localspec.errors import LocalSpecError
+from localspec.files import count_lone_surrogates, replace_lone_surrogates
 from localspec.models.hardware import Hardware, survey_presets
 from localspec.pipeline import Pipeline
 from localspec.presets import Preset, load_preset
@@ -95,8 +98,9 @@ class ChatApp:
         return presets_html(survey_presets(self.hardware), self.hardware.describe())
 
     def switch_preset(self, key: str | None) -> Iterator[SwitchView]:
-        """Load another preset (a name or a .toml path) with progress; keep the old on failure."""
-        key = (key or "").strip()
+        """Load another preset (a name or a .toml path) with progress; keep the old on failure.
+        A typed name's lone surrogates become U+FFFD: no preset has them, and its error is shown."""
+        key = replace_lone_surrogates((key or "").strip())
         while self.host.is_loading():  # the start-up load, or another tab's switch
             yield view(SwitchView, status=self.status())
             self.host.wait_loaded(0.5)
@@ -142,6 +146,12 @@ class ChatApp:
         """Send ``message``; stream the conversation, token view and readout as tokens arrive."""
         before = plain_history(history)
         text = (message or "").strip()
+        refused = self._not_unicode(before, settings, message=message or "")
+        if refused is not None:  # a message that held any comes back shown as it would be sent
+            shown = replace_lone_surrogates(message or "")
+            yield view(ChatView, notice=notice_html(refused),
+                       message=shown if shown != (message or "") else gr.skip())
+            return
         if not text:
             yield view(ChatView, notice=notice_html(
                 "Type a message first: an empty message has nothing to answer."))
@@ -153,6 +163,10 @@ class ChatApp:
                    session: str = "local") -> Iterator[ChatView]:
         """Answer the last user message again (the old answer comes back if this one fails)."""
         before = plain_history(history)
+        refused = self._not_unicode(before, settings)
+        if refused is not None:
+            yield view(ChatView, notice=notice_html(refused))
+            return
         messages = list(before)
         while messages and messages[-1]["role"] == "assistant":
             messages.pop()
@@ -255,8 +269,9 @@ class ChatApp:
              session: str = "local") -> Iterator[RaceView]:
         """The same prompt through plain decoding, then through speculation; side by side."""
         text = (prompt or "").strip()
-        if not text:
-            yield view(RaceView, notice=notice_html("Type a prompt to race."))
+        refused = self._not_unicode([], settings, prompt=text)
+        if refused is not None or not text:
+            yield view(RaceView, notice=notice_html(refused or "Type a prompt to race."))
             return
         session = f"{session}/race"
         cancel = self.host.begin(session)
@@ -333,6 +348,22 @@ class ChatApp:
                 got = self.host.acquire(cancel, 0.5)
         finally:
             self.host.set_waiting(-1)
+        return None
+
+    @staticmethod
+    def _not_unicode(history: Messages, s: Settings, **typed: str) -> str | None:
+        """Why the request is refused when its text holds lone surrogates (``typed``: the
+        message or prompt, by name), else None."""
+        for name, text in typed.items():
+            if count := count_lone_surrogates(text):
+                return (f"⚠ Your {name} holds {count} character{'s' * (count > 1)} that "
+                        f"{'are' if count > 1 else 'is'} not valid Unicode (text that was not "
+                        "UTF-8), shown as \ufffd: edit it, or send it as it is now.")
+        if count_lone_surrogates(s.system or ""):
+            return "⚠ The system prompt holds text that is not valid Unicode: edit it."
+        if any(count_lone_surrogates(m["role"] + m["content"]) for m in history):
+            return ("⚠ The conversation holds text that is not valid Unicode: press Clear to "
+                    "start a new one.")
         return None
 
     @staticmethod
