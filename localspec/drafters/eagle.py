@@ -30,16 +30,11 @@ import time
 import torch
 
 from localspec.drafters.base import DraftChain, Proposal
-from localspec.drafters.eagle_head import EagleHead, HeadCache
+from localspec.drafters.eagle_head import EagleHead, HeadCache, eagle3_layers
 from localspec.runtime.runner import ModelRunner
 from localspec.sampling import SamplingParams
 
 CATCH_UP_SPLIT = 4  # more positions than this to catch up on go in a timed pass of their own
-
-
-def eagle3_layers(num_layers: int) -> tuple[int, int, int]:
-    """The target layers EAGLE-3 fuses by default: low, middle, high (vLLM's choice)."""
-    return (2, num_layers // 2, num_layers - 3)
 
 
 class EagleDrafter:
