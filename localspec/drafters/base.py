@@ -6,16 +6,17 @@ has a distribution (a draft model) or ``None`` when it is deterministic (n-gram 
 keeps whatever state it needs (a KV cache) in step with the context by itself, so the engine
 never has to tell it what was rejected: the next ``propose`` call simply shows the new context.
 
-EAGLE and Medusa heads slot in by implementing the same two methods. A drafter that can tell
-for free when its next guess is well founded (n-gram lookup: the context's longest n-gram
-occurred before) may also offer ``sure(context) -> bool``; adaptive k then probes such a guess
-while drafting is off (``AdaptiveK.choose``).
+Every drafter subclasses ``Drafter``: ``reset`` and ``propose`` are its own, and ``sure(context)``
+answers False unless the drafter can tell for free that its next guess is well founded (n-gram
+lookup: the context's longest n-gram occurred before); adaptive k then probes such a guess while
+drafting is off (``AdaptiveK.choose``). The engine refuses anything else, so a drafter cannot
+miss part of the contract by misspelling a method.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
@@ -70,14 +71,16 @@ class DraftChain:
         return Proposal(self.tokens, q_draft, tuple(self._confidences), sync_time)
 
 
-class Drafter(Protocol):
+class Drafter(ABC):
     """What the engine needs from any drafter."""
 
-    name: str
+    name: str  # which drafter it is (a method's drafter: the method's name), set by each
 
+    @abstractmethod
     def reset(self) -> None:
         """Forget all per-sequence state before a new generation."""
 
+    @abstractmethod
     def propose(
         self,
         context: list[int],
@@ -86,4 +89,9 @@ class Drafter(Protocol):
         generator: torch.Generator,
     ) -> Proposal:
         """Return at most ``k`` draft tokens continuing ``context``."""
-        ...
+
+    def sure(self, context: list[int]) -> bool:
+        """Whether the next guess after ``context`` is well founded, known without drafting:
+        adaptive k may then probe it while drafting is off. No evidence by default."""
+        return False
+

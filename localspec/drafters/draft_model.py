@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from localspec.drafters.base import DraftChain, Proposal
+from localspec.drafters.base import DraftChain, Drafter, Proposal
 from localspec.runtime.runner import ModelRunner
 from localspec.sampling import SamplingParams
 
@@ -42,7 +42,7 @@ def frequent_token_rows(tokenizer: object, count: int, vocab_size: int) -> torch
     return torch.tensor(sorted(set(range(count)) | special), dtype=torch.long)
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(Drafter):
     """Autoregressive drafting with a small model of the same tokenizer."""
 
     name = "draft_model"

@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from localspec.drafters.base import DraftChain, Proposal
+from localspec.drafters.base import DraftChain, Drafter, Proposal
 from localspec.drafters.eagle_head import EagleHead, HeadCache, eagle3_layers
 from localspec.runtime.runner import ModelRunner
 from localspec.sampling import SamplingParams
@@ -37,7 +37,7 @@ from localspec.sampling import SamplingParams
 CATCH_UP_SPLIT = 4  # more positions than this to catch up on go in a timed pass of their own
 
 
-class EagleDrafter:
+class EagleDrafter(Drafter):
     """Drafts k tokens with an EAGLE or EAGLE-3 head over ``target``'s recorded features."""
 
     def __init__(self, head: EagleHead, target: ModelRunner,

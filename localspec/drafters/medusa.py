@@ -25,14 +25,14 @@ from __future__ import annotations
 
 import torch
 
-from localspec.drafters.base import DraftChain, Proposal
+from localspec.drafters.base import DraftChain, Drafter, Proposal
 from localspec.drafters.medusa_head import MedusaHeads
 from localspec.runtime.runner import ModelRunner
 from localspec.runtime.weight_formats import spread_logits
 from localspec.sampling import SamplingParams
 
 
-class MedusaDrafter:
+class MedusaDrafter(Drafter):
     """Drafts ``min(k, K)`` tokens from the target's last verified feature."""
 
     name = "medusa"

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from localspec.drafters.base import Proposal
+from localspec.drafters.base import Drafter, Proposal
 from localspec.sampling import SamplingParams
 
 SINGLE_TOKEN_MATCH_DRAFTS = 3
@@ -48,7 +48,7 @@ def find_ngram_continuation(
     return tokens[start : start + count].tolist() if n else []
 
 
-class NgramDrafter:
+class NgramDrafter(Drafter):
     """Prompt lookup over prompt + generated text."""
 
     name = "ngram"
