@@ -11,15 +11,23 @@ answers False unless the drafter can tell for free that its next guess is well f
 lookup: the context's longest n-gram occurred before); adaptive k then probes such a guess while
 drafting is off (``AdaptiveK.choose``). The engine refuses anything else, so a drafter cannot
 miss part of the contract by misspelling a method.
+
+How a method's drafter is made is the method's own business: each drafter module has a
+``build(ctx)`` that the registry (``localspec.registry``) names, and ``ctx`` is a
+``BuildContext``: the preset and the models' runners, given by the pipeline, which sits above
+the drafters and so is never named here.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
+from localspec.config import Preset
+from localspec.runtime.runner import ModelRunner
 from localspec.sampling import SamplingParams, logits_to_probs, sample
 
 
@@ -95,3 +103,29 @@ class Drafter(ABC):
         adaptive k may then probe it while drafting is off. No evidence by default."""
         return False
 
+
+class BuildContext(Protocol):
+    """What a drafter's ``build`` may use: the pipeline gives it (``Pipeline`` is one)."""
+
+    @property
+    def preset(self) -> Preset:
+        """The validated preset: [speculative_config] and [localspec] settings."""
+        ...
+
+    @property
+    def tokenizer(self) -> Any:
+        """The target's tokenizer (the draft model shares it)."""
+        ...
+
+    def target_runner(self) -> ModelRunner:
+        """The target's runner, shared with the engine (a head reads its features)."""
+        ...
+
+    def draft_vocab_size(self) -> int:
+        """Rows of the draft model's LM head; PresetError if no draft model is loaded."""
+        ...
+
+    def draft_runner(self, vocab_rows: torch.Tensor | None = None) -> ModelRunner:
+        """A new runner (own KV cache) of the draft model, its LM head cut to ``vocab_rows``
+        (None: all), ready to run; PresetError if no draft model is loaded."""
+        ...

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import torch
 
-from localspec.drafters.base import DraftChain, Drafter, Proposal
+from localspec.drafters.base import BuildContext, DraftChain, Drafter, Proposal
+from localspec.drafters.head_files import read_head
+from localspec.drafters.head_layouts import load_medusa_heads
 from localspec.drafters.medusa_head import MedusaHeads
 from localspec.runtime.runner import ModelRunner
 from localspec.runtime.weight_formats import spread_logits
@@ -80,3 +82,12 @@ class MedusaDrafter(Drafter):
             if chain.pick(self._logits(i, feature)) is None:
                 break
         return chain.proposal()
+
+
+def build(ctx: BuildContext) -> MedusaDrafter:
+    """The drafter of method "medusa" over the target's runner, its heads read from
+    ``[speculative_config] model`` (ModelLoadError if they are not heads for this target)."""
+    files = read_head(ctx.preset.speculative_config.model or "")
+    runner = ctx.target_runner()
+    heads = load_medusa_heads(files, runner)
+    return MedusaDrafter(heads, runner, ctx.preset.localspec.draft_confidence_threshold)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from localspec.drafters.base import Drafter, Proposal
+from localspec.drafters.base import BuildContext, Drafter, Proposal
 from localspec.sampling import SamplingParams
 
 SINGLE_TOKEN_MATCH_DRAFTS = 3
@@ -84,3 +84,9 @@ class NgramDrafter(Drafter):
             return Proposal([])
         tokens = find_ngram_continuation(context, k, self.prompt_lookup_max, self.prompt_lookup_min)
         return Proposal(tokens, None, tuple(1.0 for _ in tokens))
+
+
+def build(ctx: BuildContext) -> NgramDrafter:
+    """The drafter of method "ngram", with the preset's ``prompt_lookup_max`` and ``_min``."""
+    sc = ctx.preset.speculative_config
+    return NgramDrafter(sc.prompt_lookup_max, sc.prompt_lookup_min)
