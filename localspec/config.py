@@ -1,7 +1,9 @@
 """LocalSpec's configuration: every name, limit and default, in one torch-free module.
 
-The single source of truth for what a preset or a request may say: speculative methods, dtypes,
-devices, quantizations, hardware classes, the bounds of every setting and their defaults. The
+The single source of truth for what a preset or a request may say: dtypes, devices,
+quantizations, hardware classes, the bounds of every setting and their defaults; speculative
+methods are validated against the drafter registry (``localspec.registry``), read when a preset
+is checked, so a method registered there is a valid choice here with no list to update. The
 preset schema is a set of frozen pydantic models (``extra="forbid"``, ``Literal`` choices,
 numeric bounds, finite floats only), as vLLM does for its ``SpeculativeConfig``; the engine, the
 model loader, the command line and the app's controls all read their choices and limits from
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -30,19 +33,34 @@ from pydantic import (
     ValidationError,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from localspec.errors import PresetError, RequestError
+from localspec.registry import drafter_spec, method_names
 
 # ----------------------------------------------------------------------------- names
 
-Method = Literal["none", "draft_model", "ngram", "eagle", "eagle3", "medusa"]
+
+def _registered_method(value: str) -> str:
+    """``value`` if the registry has a method of that name; else the error a ``Literal`` of
+    the registered names gives (described as such by ``describe_errors``)."""
+    names = method_names()
+    if value not in names:
+        quoted = [repr(name) for name in names]
+        expected = f"{', '.join(quoted[:-1])} or {quoted[-1]}" if len(quoted) > 1 else quoted[0]
+        raise PydanticCustomError("literal_error", "Input should be {expected}",
+                                  {"expected": expected})
+    return value
+
+
+# A registered method's name: checked when a preset is validated, not frozen at import.
+Method = Annotated[str, AfterValidator(_registered_method)]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Literal["auto", "cpu", "cuda"]
 QuantizationName = Literal["none", "w4a8", "requant-q4k", "w8a8", "int8-weight-only",
                            "bnb-4bit", "bnb-8bit"]
 HardwareClass = Literal["cpu", "gpu-8gb", "gpu-12gb", "gpu-16gb", "gpu-24gb", "h100-80gb"]
 
-METHODS: tuple[str, ...] = get_args(Method)
 DTYPES: tuple[str, ...] = get_args(Dtype)
 DEVICES: tuple[str, ...] = get_args(Device)
 QUANTIZATIONS: tuple[str, ...] = get_args(QuantizationName)
@@ -64,9 +82,6 @@ HARDWARE: tuple[str, ...] = get_args(HardwareClass)
 HARDWARE_LABELS = {"cpu": "CPU", "gpu-8gb": "GPU 8 GB", "gpu-12gb": "GPU 12 GB",
                    "gpu-16gb": "GPU 16 GB", "gpu-24gb": "GPU 24 GB", "h100-80gb": "H100 80 GB"}
 DEFAULT_PRESET = "cpu-qwen-coder-draft"
-# Methods that draft from the target's hidden features with a head named in
-# [speculative_config] model (a folder or a Hugging Face repo id), as vLLM names them.
-HEAD_METHODS: tuple[str, ...] = ("eagle", "eagle3", "medusa")
 # where train-drafter takes its documents' answers: as written, or the target's own
 ANSWER_SOURCES: tuple[str, ...] = ("corpus", "target")
 # Heads shipped inside the package (localspec/data/heads/<name>/), by the name a preset's
@@ -137,7 +152,8 @@ class SpeculativeConfig(BaseModel):
     model_config = _STRICT
 
     method: Method = "none"
-    # the draft model ("draft_model") or head (HEAD_METHODS: a built-in head, folder or repo id)
+    # the draft model or head the method needs (registry: its ``needs``): a built-in name,
+    # folder or Hugging Face repo id
     model: NonEmpty | None = None
     num_speculative_tokens: SpecTokens = 5
     prompt_lookup_max: LookupN = 4
@@ -146,9 +162,10 @@ class SpeculativeConfig(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> SpeculativeConfig:
-        if self.method == "draft_model" and not self.model:
-            raise ValueError("method 'draft_model' needs 'model' (the draft model to load)")
-        if self.method in HEAD_METHODS and not self.model:
+        needs = drafter_spec(self.method).needs
+        if needs == "draft_model" and not self.model:
+            raise ValueError(f"method '{self.method}' needs 'model' (the draft model to load)")
+        if needs == "head" and not self.model:
             raise ValueError(f"method '{self.method}' needs 'model' (the draft head to load: a "
                              "folder or a Hugging Face repo id)")
         if self.prompt_lookup_min > self.prompt_lookup_max:
@@ -218,7 +235,7 @@ class Preset(BaseModel):
     def draft_spec(self) -> ModelSpec | None:
         """The draft model to load (None when ``model`` is absent or names a head)."""
         sc = self.speculative_config
-        if sc.model is None or sc.method in HEAD_METHODS:
+        if sc.model is None or drafter_spec(sc.method).needs == "head":
             return None
         return ModelSpec(sc.model, dtype=self.localspec.draft_dtype, device=self.target.device,
                          quantization=sc.quantization)

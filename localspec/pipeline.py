@@ -1,9 +1,11 @@
 """A loaded preset: target and draft models, and engines for each method over them.
 
 The CLI, the benchmark and the app all go through here, so a model is loaded once and shared by
-every method ("none", "draft_model", "ngram") that a comparison runs. A feature-level method
-("eagle", "eagle3", "medusa") loads its head from ``[speculative_config] model`` when its engine
-is first asked for; the head shares the target's runner (it reads its features).
+every method that a comparison runs. Which methods there are, what each needs and how its
+drafter is made come from the drafter registry (``localspec.registry``): the pipeline checks the
+needs, imports the method's ``build`` and calls it with itself as the ``BuildContext``. A method
+that needs a head (EAGLE, EAGLE-3, Medusa) reads it from ``[speculative_config] model`` when its
+engine is first asked for; the head shares the target's runner (it reads its features).
 
 What a request or a method choice may be is decided from the preset alone
 (``request_settings_for``, ``check_method``), before any model is loaded: a typo in a flag must
@@ -13,49 +15,45 @@ cannot run.
 
 from __future__ import annotations
 
+import importlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+import torch
 from jinja2.exceptions import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from localspec.config import (
     DEFAULT_CONTEXT,
-    HEAD_METHODS,
-    METHODS,
     ModelSpec,
     Preset,
     RequestSettings,
     request_settings,
 )
-from localspec.drafters.base import Drafter
-from localspec.drafters.draft_model import DraftModelDrafter, frequent_token_rows
-from localspec.drafters.eagle import EagleDrafter
-from localspec.drafters.head_files import read_head
-from localspec.drafters.head_layouts import load_eagle_head, load_medusa_heads
+from localspec.drafters import ngram
+from localspec.drafters.base import BuildContext, Drafter
 from localspec.drafters.lookup_first import LookupFirstDrafter
-from localspec.drafters.medusa import MedusaDrafter
-from localspec.drafters.ngram import NgramDrafter
 from localspec.engine.engine import GenerationRequest, SpeculativeEngine, StepEvent
 from localspec.engine.stats import GenerationStats
 from localspec.errors import PresetError, RequestError
 from localspec.models.cache import Progress
 from localspec.models.loading import LoadedModel, check_same_tokenizer, load_model
+from localspec.registry import DrafterSpec, drafter_spec
 from localspec.runtime.runner import ModelRunner
 from localspec.sampling import SamplingParams
 
 
 def check_method(preset: Preset, method: str) -> None:
-    """PresetError unless ``preset`` can run ``method``; needs no model, so callers check every
-    method they will run before loading anything."""
-    if method not in METHODS:
-        raise PresetError(f"unknown method '{method}': choose one of {', '.join(METHODS)}")
-    if method == "draft_model" and preset.draft_spec() is None:
-        raise PresetError(f"method 'draft_model' needs a draft model, and preset "
+    """PresetError unless ``preset`` can run ``method`` (a registered method whose needs the
+    preset meets); needs no model, so callers check every method they will run before loading
+    anything."""
+    needs = drafter_spec(method).needs
+    if needs == "draft_model" and preset.draft_spec() is None:
+        raise PresetError(f"method '{method}' needs a draft model, and preset "
                           f"'{preset.name}' names none in [speculative_config] model")
     sc = preset.speculative_config
-    if method in HEAD_METHODS and sc.method != method:
+    if needs == "head" and sc.method != method:
         raise PresetError(f"method '{method}' needs a head made for this target in "
                           f"[speculative_config] model, and preset '{preset.name}' is set up "
                           f"for method '{sc.method}': use a preset with method = \"{method}\"")
@@ -85,7 +83,8 @@ class GenerationResult:
 
 @dataclass
 class Pipeline:
-    """Models of one preset, loaded once, and an engine per speculative method."""
+    """Models of one preset, loaded once, and an engine per speculative method; the
+    ``BuildContext`` each method's registered build is given."""
 
     preset: Preset
     target: LoadedModel
@@ -179,51 +178,46 @@ class Pipeline:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _make_drafter(self, method: str) -> Drafter | None:
-        sc = self.preset.speculative_config
-        if method == "none":
-            return None
-        if method == "ngram":
-            return NgramDrafter(sc.prompt_lookup_max, sc.prompt_lookup_min)
-        drafter = self._make_head_drafter(method) if method in HEAD_METHODS else \
-            self._make_model_drafter()
-        if self.preset.localspec.lookup_first:
-            return LookupFirstDrafter(NgramDrafter(sc.prompt_lookup_max, sc.prompt_lookup_min),
-                                      drafter)
-        return drafter
+    def draft_vocab_size(self) -> int:
+        """Rows of the draft model's LM head (``BuildContext``)."""
+        return self._loaded_draft().vocab_size
 
-    def _make_model_drafter(self) -> Drafter:
-        if self.draft is None:
-            raise PresetError(f"method 'draft_model' needs a draft model, and this pipeline of "
-                              f"preset '{self.preset.name}' was loaded without one")
-        rows = frequent_token_rows(self.draft.tokenizer, self.preset.localspec.draft_vocab_size,
-                                   self.draft.vocab_size)
-        runner = self.draft.runner(vocab_rows=rows, **self._graph_options(self.draft))
+    def draft_runner(self, vocab_rows: torch.Tensor | None = None) -> ModelRunner:
+        """A new runner of the draft model, LM head cut to ``vocab_rows``, its graphs compiled
+        where the preset asks for them (``BuildContext``)."""
+        draft = self._loaded_draft()
+        runner = draft.runner(vocab_rows=vocab_rows, **self._graph_options(draft))
         runner.compile_graphs()
-        return DraftModelDrafter(
-            runner,
-            target_vocab_size=self.target_runner().vocab_size,
-            tokenizer_vocab_size=len(self.tokenizer),
-            confidence_threshold=self.preset.localspec.draft_confidence_threshold,
-        )
+        return runner
 
-    def _make_head_drafter(self, method: str) -> Drafter:
-        """An EAGLE, EAGLE-3 or Medusa drafter over the target's runner, its head read from
-        ``[speculative_config] model`` (ModelLoadError if it is not a head for this target)."""
-        files = read_head(self.preset.speculative_config.model or "")
-        runner = self.target_runner()
-        threshold = self.preset.localspec.draft_confidence_threshold
-        if method == "medusa":
-            return MedusaDrafter(load_medusa_heads(files, runner), runner, threshold)
-        head, layers = load_eagle_head(files, method, runner)
-        return EagleDrafter(head, runner, layers, threshold)
+    def _loaded_draft(self) -> LoadedModel:
+        if self.draft is None:
+            raise PresetError(f"a drafter asked for the draft model, and this pipeline of "
+                              f"preset '{self.preset.name}' was loaded without one")
+        return self.draft
+
+    def _make_drafter(self, spec: DrafterSpec) -> Drafter | None:
+        """The registered method's drafter (None: plain decoding), behind n-gram lookup when
+        the preset asks for lookup first and the method drafts with a model or a head."""
+        if spec.build is None:
+            return None
+        if spec.needs == "draft_model" and self.draft is None:
+            raise PresetError(f"method '{spec.name}' needs a draft model, and this pipeline of "
+                              f"preset '{self.preset.name}' was loaded without one")
+        module, _, function = spec.build.partition(":")
+        build: Callable[[BuildContext], Drafter] = getattr(importlib.import_module(module),
+                                                           function)
+        drafter = build(self)
+        if self.preset.localspec.lookup_first and spec.needs != "nothing":
+            return LookupFirstDrafter(ngram.build(self), drafter)
+        return drafter
 
     def engine(self, method: str | None = None) -> SpeculativeEngine:
         """The engine for ``method`` (default: the preset's), sharing the target's runner."""
         method = method or self.preset.speculative_config.method
         check_method(self.preset, method)
         if method not in self._engines:
-            self._engines[method] = self.engine_with(self._make_drafter(method))
+            self._engines[method] = self.engine_with(self._make_drafter(drafter_spec(method)))
         return self._engines[method]
 
     def request(self, prompt_ids: list[int], stop_strings: tuple[str, ...] = (),

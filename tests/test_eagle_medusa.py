@@ -247,7 +247,7 @@ def test_proposals_equal_a_from_scratch_reference(method: str) -> None:
 # ----------------------------------------------------------------------------- sampling
 
 
-class Recording:
+class Recording(Drafter):
     """A drafter wrapper that keeps every proposal."""
 
     def __init__(self, inner: Drafter) -> None:

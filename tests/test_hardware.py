@@ -39,7 +39,6 @@ from localspec.errors import ModelLoadError
 from localspec.models.builtin import BUILTIN_MODELS
 from localspec.models.cache import _source_files
 from localspec.models.hardware import (
-    EAGLE3_DRAFT_VOCAB,
     GIB,
     HARDWARE_MEMORY,
     KNOWN_CONFIGS,
@@ -59,6 +58,7 @@ from localspec.models.hardware import (
     weight_bytes,
 )
 from localspec.presets import list_preset_names, load_preset
+from localspec.registry import EAGLE3_DRAFT_VOCAB
 from localspec.runtime.quant import quantize_int8_weight_only
 
 REPO = Path(__file__).resolve().parent.parent

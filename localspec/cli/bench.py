@@ -1,16 +1,16 @@
 """Benchmark: every method on every prompt, interleaved, in one process, on models loaded once.
 
-Methods: our engine's ``none`` (plain decoding, the baseline), ``draft_model`` and ``ngram``;
-transformers' own ``hf-assisted`` (``generate(assistant_model=...)``), ``hf-lookup``
-(``generate(prompt_lookup_num_tokens=...)``) and ``hf-plain`` (plain ``generate``), run as
-anchors on the same weights — or, when the served target is ``w8a8`` (whose weights live in the
-CPU forward, not in a transformers model), on the same target unquantized in bfloat16,
-loaded beside it: the bf16 path, side by side in the same run. Greedy only: that is where
-"identical to none" is defined (an hf-* row on the bf16 target is another model's output).
-Each method runs once on each prompt before any runs twice, so drift in machine speed (heat,
-other processes) spreads over all methods instead of favouring one. Every method, setting and
-prompt is checked before the first run (``check_methods``, ``encode_prompts``): a benchmark
-never fails halfway.
+Methods: our engine's, as the drafter registry lists them (``none``, plain decoding, is the
+baseline; by default every method the preset can run); transformers' own ``hf-assisted``
+(``generate(assistant_model=...)``), ``hf-lookup`` (``generate(prompt_lookup_num_tokens=...)``)
+and ``hf-plain`` (plain ``generate``), run as anchors on the same weights — or, when the served
+target is ``w8a8`` (whose weights live in the CPU forward, not in a transformers model), on the
+same target unquantized in bfloat16, loaded beside it: the bf16 path, side by side in the same
+run. Greedy only: that is where "identical to none" is defined (an hf-* row on the bf16 target
+is another model's output). Each method runs once on each prompt before any runs twice, so
+drift in machine speed (heat, other processes) spreads over all methods instead of favouring
+one. Every method, setting and prompt is checked before the first run (``check_methods``,
+``encode_prompts``): a benchmark never fails halfway.
 """
 
 from __future__ import annotations
@@ -23,21 +23,19 @@ from typing import Any
 import torch
 
 from localspec.cli.prompts import encode_prompts, load_prompts
-from localspec.config import CPU_QUANTIZATIONS, METHODS, Preset, unquantized_target
+from localspec.config import CPU_QUANTIZATIONS, Preset, unquantized_target
 from localspec.drafters.simulated import SimulatedDrafter
 from localspec.errors import ConfigError, PresetError
 from localspec.pipeline import Pipeline, check_method
+from localspec.registry import method_names, methods_needing
 
-__all__ = ["DEFAULT_METHODS", "HF_METHODS", "OUR_METHODS", "SIMULATED", "check_methods",
-           "default_methods", "first_difference", "format_table", "hf_pipeline", "load_prompts",
-           "needs_draft",
+__all__ = ["DEFAULT_HF_METHODS", "HF_METHODS", "SIMULATED", "check_methods", "default_methods",
+           "first_difference", "format_table", "hf_pipeline", "load_prompts", "needs_draft",
            "run_bench", "simulated_acceptance", "summarise"]
 
 HF_METHODS = ("hf-assisted", "hf-lookup", "hf-plain")
+DEFAULT_HF_METHODS = ("hf-assisted", "hf-lookup")  # hf-plain only when asked for
 SIMULATED = "draft_model@"  # draft_model@0.8: the draft's cost, acceptance 0.8 (simulated)
-OUR_METHODS = METHODS
-DEFAULT_METHODS = ("none", "draft_model", "ngram", "hf-assisted", "hf-lookup")
-NEEDS_DRAFT = ("draft_model", "hf-assisted")
 WARM_UP_TOKENS = 8  # each method's untimed first run
 
 
@@ -45,17 +43,18 @@ def check_methods(preset: Preset, methods: list[str]) -> list[str]:
     """The methods to run (``none`` first, the baseline; no repeats), each checked runnable
     with ``preset``: ConfigError for an unknown name, PresetError for one needing a draft
     model the preset does not name. Needs no model."""
+    ours = method_names()
     if not methods:
         raise ConfigError(f"no methods to benchmark: choose from "
-                          f"{', '.join(OUR_METHODS + HF_METHODS)}")
+                          f"{', '.join(ours + HF_METHODS)}")
     unknown = [m for m in methods
-               if m not in OUR_METHODS + HF_METHODS and simulated_acceptance(m) is None]
+               if m not in ours + HF_METHODS and simulated_acceptance(m) is None]
     if unknown:
         raise ConfigError(f"unknown method(s) {', '.join(unknown)}; choose from "
-                          f"{', '.join(OUR_METHODS + HF_METHODS)} or {SIMULATED}A "
+                          f"{', '.join(ours + HF_METHODS)} or {SIMULATED}A "
                           "(A in [0, 1])")
     for method in methods:
-        if method in OUR_METHODS:
+        if method in ours:
             check_method(preset, method)
         elif needs_draft(method) and preset.draft_spec() is None:
             raise PresetError(f"method '{method}' needs a draft model, and preset "
@@ -75,13 +74,23 @@ def simulated_acceptance(method: str) -> float | None:
 
 
 def needs_draft(method: str) -> bool:
-    return method in NEEDS_DRAFT or simulated_acceptance(method) is not None
+    """Whether ``method`` (ours, hf-* or simulated) runs the preset's draft model."""
+    return (method in methods_needing("draft_model") or method == "hf-assisted"
+            or simulated_acceptance(method) is not None)
 
 
 def default_methods(preset: Preset) -> list[str]:
-    """DEFAULT_METHODS less those needing a draft model when the preset has none."""
+    """Every registered method ``preset`` can run, then DEFAULT_HF_METHODS less one needing a
+    draft model the preset does not name."""
+    ours = []
+    for method in method_names():
+        try:
+            check_method(preset, method)
+        except PresetError:
+            continue
+        ours.append(method)
     has_draft = preset.draft_spec() is not None
-    return [m for m in DEFAULT_METHODS if has_draft or m not in NEEDS_DRAFT]
+    return ours + [m for m in DEFAULT_HF_METHODS if has_draft or not needs_draft(m)]
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:

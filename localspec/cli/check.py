@@ -27,9 +27,10 @@ from scipy.stats import chisquare
 
 from localspec.cli.bench import first_difference
 from localspec.cli.prompts import encode_prompts
-from localspec.config import HEAD_METHODS
 from localspec.engine.verify import verify_sampling
-from localspec.pipeline import Pipeline
+from localspec.errors import PresetError
+from localspec.pipeline import Pipeline, check_method
+from localspec.registry import drafters
 from localspec.runtime.runner import ModelRunner
 from localspec.sampling import SamplingParams, logits_to_probs, sample
 
@@ -176,14 +177,28 @@ def check_sampling(pipe: Pipeline, prompts: list[dict[str, Any]], positions: int
     return results
 
 
+def greedy_methods(pipe: Pipeline) -> list[str]:
+    """Every registered speculative method the pipeline can run: its preset meets the
+    method's needs (a head only for the preset's own method) and a draft model it needs is
+    loaded."""
+    methods = []
+    for spec in drafters():
+        if not spec.speculative or (spec.needs == "draft_model" and pipe.draft is None):
+            continue
+        try:
+            check_method(pipe.preset, spec.name)
+        except PresetError:
+            continue
+        methods.append(spec.name)
+    return methods
+
+
 def run_checks(pipe: Pipeline, prompts: list[dict[str, Any]], max_new_tokens: int,
                log: Callable[[str], None] = _no_log) -> dict[str, Any]:
-    """Greedy equality for every speculative method the pipeline has (its head's too), then
-    sampling (one-hot and draft-model q: a head's q comes from features of the live sequence,
-    and the verifier treats every q alike)."""
-    methods = ["ngram"] + (["draft_model"] if pipe.draft is not None else [])
-    if pipe.preset.speculative_config.method in HEAD_METHODS:
-        methods.append(pipe.preset.speculative_config.method)
+    """Greedy equality for every speculative method the pipeline can run (``greedy_methods``),
+    then sampling (one-hot and draft-model q: a head's q comes from features of the live
+    sequence, and the verifier treats every q alike)."""
+    methods = greedy_methods(pipe)
     greedy = check_greedy(pipe, prompts, methods, max_new_tokens, log)
     sampling = check_sampling(pipe, prompts, log=log)
     return {

@@ -1,10 +1,11 @@
 """A preset as the equivalent ``vllm serve`` command, for users who outgrow one machine.
 
-``[speculative_config]`` already uses vLLM's keys, so the export mostly copies it: built-in
-model names become their Hugging Face repo ids, bitsandbytes 4-bit becomes vLLM's
+``[speculative_config]`` already uses vLLM's keys, so the export mostly copies it: the method
+becomes vLLM's name for it and the keys vLLM reads for it (both from the drafter registry),
+built-in model names become their Hugging Face repo ids, bitsandbytes 4-bit becomes vLLM's
 ``bitsandbytes`` quantization, and whatever vLLM has no equivalent for (LocalSpec's
-``[localspec]`` knobs, int8 weight-only or bnb 8-bit on the fly) is left out with a note that
-says so. It does not check that vLLM supports the model or the GPU.
+``[localspec]`` knobs, int8 weight-only or bnb 8-bit on the fly, a method vLLM lacks) is left
+out with a note that says so. It does not check that vLLM supports the model or the GPU.
 """
 
 from __future__ import annotations
@@ -13,13 +14,11 @@ import json
 import shlex
 from dataclasses import dataclass
 
-from localspec.config import BUILTIN_HEADS, HEAD_METHODS, Preset, SpeculativeConfig
+from localspec.config import BUILTIN_HEADS, Preset, SpeculativeConfig
 from localspec.models.hardware import hf_repo_for
 from localspec.presets import builtin_head_folder
+from localspec.registry import drafter_spec
 
-# LocalSpec method name -> vLLM's speculative_config "method"
-VLLM_METHODS = {"draft_model": "draft_model", "ngram": "ngram", "eagle": "eagle",
-                "eagle3": "eagle3", "medusa": "medusa"}
 # LocalSpec quantization -> vLLM's (None: vLLM cannot quantize this way on the fly)
 VLLM_QUANTIZATION = {"none": "", "bnb-4bit": "bitsandbytes", "bnb-8bit": None,
                      "int8-weight-only": None, "w8a8": None, "w4a8": None,
@@ -34,13 +33,20 @@ class VllmExport:
 
 
 def speculative_config_for_vllm(sc: SpeculativeConfig, notes: list[str]) -> dict | None:
-    """The speculative_config table with vLLM's keys only (None for method "none")."""
-    if sc.method == "none":
-        notes.append("method 'none': no speculative decoding, so no --speculative-config")
+    """The speculative_config table with vLLM's keys only (None for plain decoding, or a
+    method vLLM does not have)."""
+    spec = drafter_spec(sc.method)
+    if not spec.speculative:
+        notes.append(f"method '{sc.method}': no speculative decoding, so no "
+                     "--speculative-config")
         return None
-    config: dict[str, object] = {"method": VLLM_METHODS[sc.method],
+    if spec.vllm_method is None:
+        notes.append(f"method '{sc.method}' has no vLLM equivalent: exported without "
+                     "--speculative-config (plain decoding)")
+        return None
+    config: dict[str, object] = {"method": spec.vllm_method,
                                  "num_speculative_tokens": sc.num_speculative_tokens}
-    if sc.method == "draft_model" and sc.model:
+    if spec.needs == "draft_model" and sc.model:
         config["model"] = hf_repo_for(sc.model)
         if config["model"] != sc.model:
             notes.append(f"built-in draft '{sc.model}' is {config['model']} on the Hub")
@@ -50,18 +56,15 @@ def speculative_config_for_vllm(sc: SpeculativeConfig, notes: list[str]) -> dict
         elif quant is None:
             notes.append(f"draft quantization '{sc.quantization}' has no vLLM equivalent: "
                          "dropped (the draft runs unquantized)")
-    if sc.method in HEAD_METHODS and sc.model:  # a Hub id or folder, as vLLM takes it
+    if spec.needs == "head" and sc.model:  # a Hub id or folder, as vLLM takes it
         config["model"] = sc.model
         if sc.model in BUILTIN_HEADS:
             config["model"] = str(builtin_head_folder(sc.model))
             notes.append(f"built-in head '{sc.model}' is the folder {config['model']}")
-            if sc.method == "medusa":  # see drafters/medusa.py: token_map over the target's
-                notes.append("its Medusa heads read the target's own LM head (the rows in "
-                             "token_map); vLLM's Medusa needs LM heads inside the checkpoint, "
-                             "so vLLM cannot load these heads as they are")
-    if sc.method == "ngram":
-        config["prompt_lookup_max"] = sc.prompt_lookup_max
-        config["prompt_lookup_min"] = sc.prompt_lookup_min
+            if spec.builtin_head_note:
+                notes.append(spec.builtin_head_note)
+    for key in spec.vllm_keys:
+        config[key] = getattr(sc, key)
     return config
 
 

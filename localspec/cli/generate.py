@@ -24,6 +24,7 @@ from localspec.errors import RequestError
 from localspec.files import check_unicode
 from localspec.pipeline import check_method, request_settings_for
 from localspec.presets import load_preset
+from localspec.registry import drafter_spec
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ def run_generate(args: argparse.Namespace) -> int:
     """Validate, load, generate ``--num-samples`` samples; print text (streamed for one
     sample) or one JSON object; a summary line on stderr."""
     plan = plan_generate(args)
-    pipe = load_pipeline(plan.preset, need_draft=plan.method == "draft_model")
+    pipe = load_pipeline(plan.preset, need_draft=drafter_spec(plan.method).needs == "draft_model")
     prompt_ids = pipe.encode_prompt(args.prompt, raw=args.raw)
     streaming = not args.json and len(plan.seeds) == 1
     samples = []

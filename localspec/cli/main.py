@@ -38,12 +38,12 @@ from localspec.config import (
     HARDWARE_LABELS,
     MAX_BENCH_REPEATS,
     MAX_NUM_SAMPLES,
-    METHODS,
     cache_root,
 )
 from localspec.errors import ConfigError, LocalSpecError
 from localspec.pipeline import request_settings_for
 from localspec.presets import load_preset
+from localspec.registry import method_names
 
 EXIT_ERROR = 2  # a LocalSpecError: the user can fix it
 EXIT_BUG = 1  # anything else
@@ -177,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate text with speculative decoding")
     _add_common(gen)
-    gen.add_argument("--method", choices=METHODS, default=None,
+    gen.add_argument("--method", choices=method_names(), default=None,
                      help="override the preset's speculative method")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--raw", action="store_true", help="skip the chat template")
@@ -195,8 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(bench)
     bench.add_argument("--prompts", default=None, help="JSONL file (default: built-in set)")
     bench.add_argument("--methods", default=None,
-                       help="comma-separated (default: none,draft_model,ngram,hf-assisted,"
-                            "hf-lookup, less those needing a draft model the preset lacks)")
+                       help="comma-separated (default: every method the preset can run, then "
+                            "hf-assisted and hf-lookup, less one needing a draft model the "
+                            "preset lacks)")
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--repeats", type=count(MAX_BENCH_REPEATS), default=1)
     bench.add_argument("--simulate-acceptance", default=None, metavar="A[,A...]",

@@ -11,6 +11,7 @@ from localspec.config import (
     MAX_NEW_TOKENS,
     MAX_SPECULATIVE_TOKENS,
 )
+from localspec.registry import trainable_methods
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -46,7 +47,7 @@ def add_train_drafter(sub: argparse._SubParsersAction, handler: Handler) -> None
     """``train-drafter``'s flags (``cli/train_drafter`` runs it)."""
     train = sub.add_parser("train-drafter", help="train an EAGLE, EAGLE-3 or Medusa head for "
                                                  "a target, on this machine")
-    train.add_argument("--method", required=True, help="eagle, eagle3 or medusa")
+    train.add_argument("--method", required=True, help=", ".join(trainable_methods()))
     train.add_argument("--target", default=None, metavar="MODEL",
                        help="built-in name, folder, .gguf or Hugging Face repo id")
     train.add_argument("--preset", default=None,

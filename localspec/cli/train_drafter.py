@@ -26,12 +26,13 @@ from typing import Any
 import torch
 
 from localspec.cli.loading import ProgressBar, load_pipeline
-from localspec.config import HEAD_METHODS, Preset, parse_preset
+from localspec.config import Preset, parse_preset
 from localspec.drafters.eagle_head import EagleHead
 from localspec.drafters.medusa import MedusaHeads
 from localspec.errors import ConfigError, InputFileError
 from localspec.pipeline import Pipeline
 from localspec.presets import load_preset
+from localspec.registry import trainable_methods
 from localspec.training.answers import SelfDistiller, open_answers
 from localspec.training.corpus import (
     Corpus,
@@ -104,9 +105,9 @@ def _writable_folder(out: str) -> Path:
 
 def plan_training(args: argparse.Namespace) -> TrainPlan:
     """Check flags, files and the checkpoint; no model is loaded."""
-    if args.method not in HEAD_METHODS:
+    if args.method not in trainable_methods():
         raise ConfigError(f"unknown --method '{args.method}': choose one of "
-                          f"{', '.join(HEAD_METHODS)}")
+                          f"{', '.join(trainable_methods())}")
     if args.answers == "target" and args.format == "raw":
         raise ConfigError("--answers target needs requests to answer: it works with the chat "
                           "format, not --format raw")

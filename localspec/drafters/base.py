@@ -6,19 +6,28 @@ has a distribution (a draft model) or ``None`` when it is deterministic (n-gram 
 keeps whatever state it needs (a KV cache) in step with the context by itself, so the engine
 never has to tell it what was rejected: the next ``propose`` call simply shows the new context.
 
-EAGLE and Medusa heads slot in by implementing the same two methods. A drafter that can tell
-for free when its next guess is well founded (n-gram lookup: the context's longest n-gram
-occurred before) may also offer ``sure(context) -> bool``; adaptive k then probes such a guess
-while drafting is off (``AdaptiveK.choose``).
+Every drafter subclasses ``Drafter``: ``reset`` and ``propose`` are its own, and ``sure(context)``
+answers False unless the drafter can tell for free that its next guess is well founded (n-gram
+lookup: the context's longest n-gram occurred before); adaptive k then probes such a guess while
+drafting is off (``AdaptiveK.choose``). The engine refuses anything else, so a drafter cannot
+miss part of the contract by misspelling a method.
+
+How a method's drafter is made is the method's own business: each drafter module has a
+``build(ctx)`` that the registry (``localspec.registry``) names, and ``ctx`` is a
+``BuildContext``: the preset and the models' runners, given by the pipeline, which sits above
+the drafters and so is never named here.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
+from localspec.config import Preset
+from localspec.runtime.runner import ModelRunner
 from localspec.sampling import SamplingParams, logits_to_probs, sample
 
 
@@ -70,14 +79,16 @@ class DraftChain:
         return Proposal(self.tokens, q_draft, tuple(self._confidences), sync_time)
 
 
-class Drafter(Protocol):
+class Drafter(ABC):
     """What the engine needs from any drafter."""
 
-    name: str
+    name: str  # which drafter it is (a method's drafter: the method's name), set by each
 
+    @abstractmethod
     def reset(self) -> None:
         """Forget all per-sequence state before a new generation."""
 
+    @abstractmethod
     def propose(
         self,
         context: list[int],
@@ -86,4 +97,35 @@ class Drafter(Protocol):
         generator: torch.Generator,
     ) -> Proposal:
         """Return at most ``k`` draft tokens continuing ``context``."""
+
+    def sure(self, context: list[int]) -> bool:
+        """Whether the next guess after ``context`` is well founded, known without drafting:
+        adaptive k may then probe it while drafting is off. No evidence by default."""
+        return False
+
+
+class BuildContext(Protocol):
+    """What a drafter's ``build`` may use: the pipeline gives it (``Pipeline`` is one)."""
+
+    @property
+    def preset(self) -> Preset:
+        """The validated preset: [speculative_config] and [localspec] settings."""
+        ...
+
+    @property
+    def tokenizer(self) -> Any:
+        """The target's tokenizer (the draft model shares it)."""
+        ...
+
+    def target_runner(self) -> ModelRunner:
+        """The target's runner, shared with the engine (a head reads its features)."""
+        ...
+
+    def draft_vocab_size(self) -> int:
+        """Rows of the draft model's LM head; PresetError if no draft model is loaded."""
+        ...
+
+    def draft_runner(self, vocab_rows: torch.Tensor | None = None) -> ModelRunner:
+        """A new runner (own KV cache) of the draft model, its LM head cut to ``vocab_rows``
+        (None: all), ready to run; PresetError if no draft model is loaded."""
         ...

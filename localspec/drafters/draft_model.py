@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from localspec.drafters.base import DraftChain, Proposal
+from localspec.drafters.base import BuildContext, DraftChain, Drafter, Proposal
 from localspec.runtime.runner import ModelRunner
 from localspec.sampling import SamplingParams
 
@@ -42,7 +42,7 @@ def frequent_token_rows(tokenizer: object, count: int, vocab_size: int) -> torch
     return torch.tensor(sorted(set(range(count)) | special), dtype=torch.long)
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(Drafter):
     """Autoregressive drafting with a small model of the same tokenizer."""
 
     name = "draft_model"
@@ -106,3 +106,14 @@ class DraftModelDrafter:
                 break
             feed = [token]
         return chain.proposal(sync_time)
+
+
+def build(ctx: BuildContext) -> DraftModelDrafter:
+    """The drafter of method "draft_model": the preset's draft model, its LM head cut to
+    ``[localspec] draft_vocab_size`` frequent tokens (0: all)."""
+    settings = ctx.preset.localspec
+    rows = frequent_token_rows(ctx.tokenizer, settings.draft_vocab_size, ctx.draft_vocab_size())
+    return DraftModelDrafter(ctx.draft_runner(rows),
+                             target_vocab_size=ctx.target_runner().vocab_size,
+                             tokenizer_vocab_size=len(ctx.tokenizer),
+                             confidence_threshold=settings.draft_confidence_threshold)

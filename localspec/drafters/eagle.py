@@ -29,20 +29,17 @@ import time
 
 import torch
 
-from localspec.drafters.base import DraftChain, Proposal
-from localspec.drafters.eagle_head import EagleHead, HeadCache
+from localspec.drafters.base import BuildContext, DraftChain, Drafter, Proposal
+from localspec.drafters.eagle_head import EagleHead, HeadCache, eagle3_layers
+from localspec.drafters.head_files import read_head
+from localspec.drafters.head_layouts import load_eagle_head
 from localspec.runtime.runner import ModelRunner
 from localspec.sampling import SamplingParams
 
 CATCH_UP_SPLIT = 4  # more positions than this to catch up on go in a timed pass of their own
 
 
-def eagle3_layers(num_layers: int) -> tuple[int, int, int]:
-    """The target layers EAGLE-3 fuses by default: low, middle, high (vLLM's choice)."""
-    return (2, num_layers // 2, num_layers - 3)
-
-
-class EagleDrafter:
+class EagleDrafter(Drafter):
     """Drafts k tokens with an EAGLE or EAGLE-3 head over ``target``'s recorded features."""
 
     def __init__(self, head: EagleHead, target: ModelRunner,
@@ -122,3 +119,23 @@ class EagleDrafter:
             if j + 1 < k:  # its own output stands in for the feature it cannot have
                 for_logits, hidden = self._step(hidden, [token], last + 1 + j, from_target=False)
         return chain.proposal(sync_time)
+
+
+def _build(ctx: BuildContext, kind: str) -> EagleDrafter:
+    """An EAGLE (``kind`` "eagle") or EAGLE-3 ("eagle3") drafter over the target's runner, its
+    head read from ``[speculative_config] model`` (ModelLoadError if it is not such a head for
+    this target)."""
+    files = read_head(ctx.preset.speculative_config.model or "")
+    runner = ctx.target_runner()
+    head, layers = load_eagle_head(files, kind, runner)
+    return EagleDrafter(head, runner, layers, ctx.preset.localspec.draft_confidence_threshold)
+
+
+def build_eagle(ctx: BuildContext) -> EagleDrafter:
+    """The drafter of method "eagle"."""
+    return _build(ctx, "eagle")
+
+
+def build_eagle3(ctx: BuildContext) -> EagleDrafter:
+    """The drafter of method "eagle3"."""
+    return _build(ctx, "eagle3")

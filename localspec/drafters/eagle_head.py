@@ -30,6 +30,11 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from localspec.runtime.weight_formats import spread_logits
 
 
+def eagle3_layers(num_layers: int) -> tuple[int, int, int]:
+    """The target layers EAGLE-3 fuses by default: low, middle, high (vLLM's choice)."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
 @dataclass(frozen=True)
 class EagleSpec:
     """The shape of a head (a Llama-style decoder layer), as its config.json gives it."""

@@ -32,10 +32,9 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from localspec.drafters.eagle import eagle3_layers
-from localspec.drafters.eagle_head import EagleHead, EagleSpec
+from localspec.drafters.eagle_head import EagleHead, EagleSpec, eagle3_layers
 from localspec.drafters.head_files import HeadFiles
-from localspec.drafters.medusa import MedusaHeads
+from localspec.drafters.medusa_head import MedusaHeads
 from localspec.errors import ModelLoadError
 from localspec.runtime.runner import ModelRunner
 

@@ -16,7 +16,7 @@ from localspec.drafters.ngram import NgramDrafter
 from localspec.sampling import SamplingParams
 
 
-class LookupFirstDrafter:
+class LookupFirstDrafter(Drafter):
     """Compose an n-gram drafter and a model drafter: lookup hits first."""
 
     def __init__(self, lookup: NgramDrafter, model: Drafter) -> None:

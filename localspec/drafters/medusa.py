@@ -24,70 +24,17 @@ each head's distribution, which is the q the verifier needs.
 from __future__ import annotations
 
 import torch
-from torch import nn
-from torch.nn import functional as F
 
-from localspec.drafters.base import DraftChain, Proposal
+from localspec.drafters.base import BuildContext, DraftChain, Drafter, Proposal
+from localspec.drafters.head_files import read_head
+from localspec.drafters.head_layouts import load_medusa_heads
+from localspec.drafters.medusa_head import MedusaHeads
 from localspec.runtime.runner import ModelRunner
 from localspec.runtime.weight_formats import spread_logits
 from localspec.sampling import SamplingParams
 
 
-class ResidualBlock(nn.Module):
-    """``num_layers`` times ``x = x + SiLU(layer(x))``; the identity when initialised."""
-
-    def __init__(self, hidden_size: int, num_layers: int, bias: bool = True,
-                 **factory: object) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(hidden_size, hidden_size, bias=bias, **factory)
-                                    for _ in range(num_layers))
-        with torch.no_grad():
-            for layer in self.layers:
-                layer.weight.zero_()
-                if layer.bias is not None:
-                    layer.bias.zero_()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = x + F.silu(layer(x))
-        return x
-
-
-class MedusaHeads(nn.Module):
-    """K heads: ``blocks[i]`` then ``lm_heads[i]`` (None: the target's LM head for all).
-
-    Names follow vLLM's Medusa layout (``blocks.i.layers.j``, ``lm_heads.i``, ``token_map``);
-    the original ``medusa_lm_head.pt`` keys are mapped onto them by ``head_layouts``.
-    """
-
-    def __init__(self, hidden_size: int, vocab_size: int, num_heads: int, num_layers: int = 1,
-                 own_lm_heads: bool = True, bias: bool = True, truncated_vocab: int = 0,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
-        """``truncated_vocab``: the size of ``token_map`` (0: the whole vocabulary)."""
-        super().__init__()
-        factory = {"dtype": dtype, "device": device}
-        self.hidden_size, self.vocab_size, self.dtype = hidden_size, vocab_size, dtype
-        self.blocks = nn.ModuleList(ResidualBlock(hidden_size, num_layers, bias, **factory)
-                                    for _ in range(num_heads))
-        # [truncated_vocab] distinct target ids, or None
-        self.register_buffer("token_map", torch.arange(truncated_vocab, device=device)
-                             if truncated_vocab else None)
-        self.lm_heads: nn.ModuleList | None = None
-        if own_lm_heads:
-            rows = truncated_vocab or vocab_size
-            self.lm_heads = nn.ModuleList(nn.Linear(hidden_size, rows, bias=False, **factory)
-                                          for _ in range(num_heads))
-
-    @property
-    def num_heads(self) -> int:
-        return len(self.blocks)
-
-    def head_hidden(self, i: int, hidden: torch.Tensor) -> torch.Tensor:
-        """Head i's input to its LM head: [n, hidden] -> [n, hidden]."""
-        return self.blocks[i](hidden.to(self.dtype))
-
-
-class MedusaDrafter:
+class MedusaDrafter(Drafter):
     """Drafts ``min(k, K)`` tokens from the target's last verified feature."""
 
     name = "medusa"
@@ -135,3 +82,12 @@ class MedusaDrafter:
             if chain.pick(self._logits(i, feature)) is None:
                 break
         return chain.proposal()
+
+
+def build(ctx: BuildContext) -> MedusaDrafter:
+    """The drafter of method "medusa" over the target's runner, its heads read from
+    ``[speculative_config] model`` (ModelLoadError if they are not heads for this target)."""
+    files = read_head(ctx.preset.speculative_config.model or "")
+    runner = ctx.target_runner()
+    heads = load_medusa_heads(files, runner)
+    return MedusaDrafter(heads, runner, ctx.preset.localspec.draft_confidence_threshold)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from localspec.drafters.base import Proposal
+from localspec.drafters.base import BuildContext, Drafter, Proposal
 from localspec.sampling import SamplingParams
 
 SINGLE_TOKEN_MATCH_DRAFTS = 3
@@ -48,7 +48,7 @@ def find_ngram_continuation(
     return tokens[start : start + count].tolist() if n else []
 
 
-class NgramDrafter:
+class NgramDrafter(Drafter):
     """Prompt lookup over prompt + generated text."""
 
     name = "ngram"
@@ -84,3 +84,9 @@ class NgramDrafter:
             return Proposal([])
         tokens = find_ngram_continuation(context, k, self.prompt_lookup_max, self.prompt_lookup_min)
         return Proposal(tokens, None, tuple(1.0 for _ in tokens))
+
+
+def build(ctx: BuildContext) -> NgramDrafter:
+    """The drafter of method "ngram", with the preset's ``prompt_lookup_max`` and ``_min``."""
+    sc = ctx.preset.speculative_config
+    return NgramDrafter(sc.prompt_lookup_max, sc.prompt_lookup_min)

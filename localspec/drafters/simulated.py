@@ -20,7 +20,7 @@ from localspec.drafters.base import Drafter, Proposal
 from localspec.sampling import SamplingParams
 
 
-class SimulatedDrafter:
+class SimulatedDrafter(Drafter):
     """A real drafter's cost with the target's greedy tokens, each kept with ``acceptance``."""
 
     name = "simulated"

@@ -122,13 +122,13 @@ class SpeculativeEngine:
         decode: Callable[[list[int]], str],
         eos_token_ids: set[int],
     ) -> None:
+        if drafter is not None and not isinstance(drafter, Drafter):
+            raise TypeError(f"{type(drafter).__name__} is not a Drafter: a drafter subclasses "
+                            "localspec.drafters.base.Drafter (reset, propose, sure)")
         self.target = target
         self.drafter = drafter
         self.decode = decode
         self.eos_token_ids = set(eos_token_ids)
-        # Lookup drafters say for free when their next guess copies a long match
-        # (``NgramDrafter.sure``); adaptive k probes such a guess while drafting is off.
-        self._sure: Callable[[list[int]], bool] | None = getattr(drafter, "sure", None)
 
     def check(self, request: GenerationRequest) -> int:
         """Validate a request; return the number of new tokens that fit in the context.
@@ -185,7 +185,9 @@ class SpeculativeEngine:
             if cancelled():
                 yield self._final_event(step, stream, "cancelled")
                 return
-            sure = self._sure is not None and self._sure(context)
+            # A drafter that knows for free its next guess is well founded (n-gram lookup: a
+            # long match) says so; adaptive k probes such a guess while drafting is off.
+            sure = self.drafter is not None and self.drafter.sure(context)
             k = min(controller.choose(sure), max_new - generated)
             t0 = time.perf_counter()
             proposal = (

@@ -28,12 +28,12 @@ from localspec.config import (
     DEFAULT_CONTEXT,
     DTYPES,
     HARDWARE,
-    HEAD_METHODS,
     Preset,
     cache_root,
 )
 from localspec.models.builtin import BUILTIN_MODELS
 from localspec.presets import builtin_head_folder
+from localspec.registry import drafter_spec
 
 GIB = 1024**3
 KNOWN_CONFIGS = Path(__file__).resolve().parent.parent / "data" / "model_configs.json"
@@ -205,24 +205,12 @@ def architecture(model: str) -> Architecture:
     return Architecture.from_config(known)
 
 
-EAGLE3_DRAFT_VOCAB = 32000  # the draft vocabulary of the published EAGLE-3 Llama heads
-MEDUSA_HEADS = 5  # the published Medusa heads' count
-
-
 def head_weight_bytes(arch: Architecture, method: str) -> int:
-    """Bytes of a published draft head for a target of ``arch``, in 16 bits as they ship:
-    EAGLE / EAGLE-3 are ``fc`` and one decoder layer shaped like the target's (EAGLE-3's
-    attention reads 2h, and it has an LM head over its draft vocabulary); Medusa is
-    MEDUSA_HEADS residual blocks with an LM head each. Their KV cache (one layer) is left
-    out: a 130th of an 8B target's."""
-    h, d = arch.hidden_size, arch.head_dim
-    q, kv = arch.num_attention_heads * d, arch.num_key_value_heads * d
-    if method == "medusa":
-        return 2 * MEDUSA_HEADS * (h * h + h + arch.vocab_size * h)
-    width = 2 * h if method == "eagle3" else h
-    layer = width * (q + 2 * kv) + q * h + 3 * h * arch.intermediate_size
-    fc = (3 if method == "eagle3" else 2) * h * h
-    return 2 * (fc + layer + (EAGLE3_DRAFT_VOCAB * h if method == "eagle3" else 0))
+    """Bytes of a published draft head of ``method`` for a target of ``arch``, in 16 bits as
+    they ship: the registry's estimate for the method (0 when it has none). Their KV cache (one
+    layer) is left out: a 130th of an 8B target's."""
+    estimate = drafter_spec(method).weight_bytes
+    return estimate(arch) if estimate is not None else 0
 
 
 def shipped_head_bytes(name: str | None) -> int:
@@ -262,22 +250,25 @@ def runs_on_gpu(preset: Preset) -> bool:
 
 
 def estimate_preset(preset: Preset, context: int = DEFAULT_CONTEXT) -> MemoryEstimate:
-    """Memory the preset needs: target and draft (model or head) weights, KV caches of both,
-    overhead."""
+    """Memory the preset needs: target and draft weights (a draft model's from its
+    architecture, a built-in head's from its files, any other drafter's from the registry's
+    estimate for its method), KV caches of target and draft model, overhead."""
     target = architecture(preset.target.model)
     ctx = min(context, target.max_position_embeddings or context)
     target_bytes = weight_bytes(target, preset.target.quantization, preset.target.dtype)
     kv = kv_cache_bytes(target, ctx, preset.target.dtype)
     draft_bytes = 0
     draft_spec = preset.draft_spec()
-    method = preset.speculative_config.method
-    if draft_spec is not None and method == "draft_model":
+    sc = preset.speculative_config
+    needs = drafter_spec(sc.method).needs
+    if draft_spec is not None and needs == "draft_model":
         draft = architecture(draft_spec.model)
         draft_bytes = weight_bytes(draft, draft_spec.quantization, draft_spec.dtype)
         kv += kv_cache_bytes(draft, ctx, draft_spec.dtype)
-    elif method in HEAD_METHODS:
-        draft_bytes = (shipped_head_bytes(preset.speculative_config.model)
-                       or head_weight_bytes(target, method))
+    elif needs == "head":
+        draft_bytes = shipped_head_bytes(sc.model) or head_weight_bytes(target, sc.method)
+    else:  # a drafter with weights of its own (none of the built-in ones)
+        draft_bytes = head_weight_bytes(target, sc.method)
     overhead = RUNTIME_OVERHEAD + int(WEIGHT_MARGIN * (target_bytes + draft_bytes))
     return MemoryEstimate(target_bytes, draft_bytes, kv, overhead, ctx, runs_on_gpu(preset))
 

@@ -2,7 +2,8 @@
 
 Layout only: which component goes where, and which event calls which handler. The controls'
 ranges and starting values come from ``localspec.config``'s request schema (the single source of
-the limits the pipeline enforces), never from literals here. Each event takes its inputs as a
+the limits the pipeline enforces), and the method switch's choices from the drafter registry,
+never from literals here. Each event takes its inputs as a
 set, so Gradio hands the handler one dict (component -> value) instead of a row of positional
 values; ``Controls.settings`` turns the side panel's part of it into the one ``Settings``, so no
 handler takes nine loose parameters.
@@ -21,14 +22,12 @@ import annotated_types
 import gradio as gr
 
 from localspec.config import SLIDER_MAX, RequestSettings
+from localspec.registry import drafters
 from localspec.ui.chat_view import CHAT_JS, chat_html
 from localspec.ui.handlers import ChatApp
 from localspec.ui.render import legend_html, spans_html
 from localspec.ui.views import ChatView, RaceView, Settings, SwitchView
 
-METHOD_CHOICES = [("preset's method", "preset"), ("none (plain decoding)", "none"),
-                  ("draft model", "draft_model"), ("n-gram lookup", "ngram"),
-                  ("EAGLE-3 head", "eagle3"), ("EAGLE head", "eagle"), ("Medusa heads", "medusa")]
 SLIDERS = {  # control -> (request setting, step, label)
     "temperature": ("temperature", 0.05, "temperature (0 = greedy)"),
     "top_p": ("top_p", 0.05, "top-p"),
@@ -36,6 +35,12 @@ SLIDERS = {  # control -> (request setting, step, label)
     "max_new_tokens": ("max_new_tokens", 1, "max new tokens"),
     "k": ("num_speculative_tokens", 1, "k: most draft tokens per step"),
 }
+
+
+def method_choices() -> list[tuple[str, str]]:
+    """The method switch's (label, value) pairs: the preset's own method, then every
+    registered one under its label."""
+    return [("preset's method", "preset"), *((spec.label, spec.name) for spec in drafters())]
 
 
 def setting_range(name: str, step: float) -> tuple[float, float]:
@@ -84,7 +89,7 @@ def _controls() -> Controls:
     """The side panel's controls, ranged and set from the config's request schema."""
     defaults = RequestSettings()
     with gr.Accordion("Method and sampling", open=True):
-        method = gr.Radio(METHOD_CHOICES, value="preset", label="Method", elem_id="ls-method")
+        method = gr.Radio(method_choices(), value="preset", label="Method", elem_id="ls-method")
         sliders = {}
         for control, (setting, step, label) in SLIDERS.items():
             low, high = setting_range(setting, step)

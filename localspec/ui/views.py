@@ -21,7 +21,7 @@ class Settings:
     keeps the preset's value; nothing is checked here (``Pipeline.request`` does)."""
 
     system: str = ""
-    method: str = "preset"  # "preset" or one of config.METHODS
+    method: str = "preset"  # "preset" or a registered method (localspec.registry)
     temperature: float | None = None
     top_p: float | None = None
     top_k: float | None = None
