@@ -89,7 +89,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         named = [m.strip() for m in (args.methods or "").split(",") if m.strip()]
         if args.methods is not None and not named:
             raise ConfigError(f"--methods {args.methods!r} names no method: give one or more of "
-                              f"{', '.join(METHODS + HF_METHODS)}, separated by commas")
+                              f"{', '.join(method_names() + HF_METHODS)}, separated by commas")
         methods = check_methods(preset, (named or ["none"]) + simulated)
     request_settings_for(preset, max_new_tokens=args.max_new_tokens, temperature=0.0)
     prompts = load_prompts(args.prompts)
