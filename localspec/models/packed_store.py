@@ -129,8 +129,8 @@ class _FileTensors(Mapping[str, torch.Tensor]):
 
     def _check(self, name: str, crc: int) -> None:
         if self._crcs.get(name) != crc:
-            raise DamagedTensor(f"{self._file.name}: tensor {name!r} fails its CRC32 (damaged "
-                                "on disk)")
+            raise DamagedTensor(f"{Path(self._file.name).name}: tensor {name!r} fails its "
+                                "CRC32 (damaged on disk)")
 
     def _mapped_crc(self, name: str, begin: int, end: int) -> int:
         """The CRC32 of a mapped tensor, read through one small buffer (the map's pages are
