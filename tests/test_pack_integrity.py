@@ -248,3 +248,21 @@ def test_real_pack_damaged_in_the_middle_answers_correctly(
         code, answer, err = run_cli(capsys, *args)
     assert code == 0 and answer == clean, err
     assert warned(caplog, f"{pack_dir}: {pack.name}: tensor '", "fails its CRC32")
+
+
+def test_a_start_reads_and_checks_each_stored_tensor_once(saved_model_dir: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every tensor of the pack is read, and only once (a second read would cost its CRC32
+    again, on top of the read)."""
+    spec = ModelSpec(str(saved_model_dir), dtype="bfloat16", quantization="w8a8")
+    load_model(spec)
+    pack = packed_store.store_dir(saved_model_dir) / packed_store.WEIGHTS_NAME
+    reads: list[str] = []
+    real_read = packed_store._FileTensors.__getitem__
+    monkeypatch.setattr(packed_store._FileTensors, "__getitem__",
+                        lambda self, name: reads.append(name) or real_read(self, name))
+    assert load_model(spec).decoder is not None
+    with pack.open("rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    assert sorted(name for name in reads if name in header) == sorted(set(header)
+                                                                       - {"__metadata__"})
