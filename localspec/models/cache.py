@@ -16,10 +16,10 @@ Layout under ``cache_root()`` (``LOCALSPEC_CACHE`` moves it):
 Every load checks the artefact's manifest (``integrity``); a mismatch, or a missing or
 unreadable manifest, rebuilds the artefact from its source, saying so. What a load reads whole
 is checked whole, by its CRC32: a converted folder's config and tokenizer files at every load
-(a few MB), its weights before a load reads them (``weights_intact``: the 1.5B's 3.1 GB in
+(a few MB), its weights before a load reads them (``weights_intact``: the 1.5B's 3.5 GB in
 about a second; a start from packed weights never reads them), a built-in GGUF before each
-conversion or w4a8 pack. The packed weights check each tensor as they read it
-(``packed_store``).
+conversion and before a w4a8 or requant-q4k pack reads its Q4_K and Q6_K matrices. The packed
+weights check each tensor as they read it (``packed_store``).
 """
 
 from __future__ import annotations

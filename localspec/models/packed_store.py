@@ -133,8 +133,8 @@ class _FileTensors(Mapping[str, torch.Tensor]):
                                 "CRC32 (damaged on disk)")
 
     def _mapped_crc(self, name: str, begin: int, end: int) -> int:
-        """The CRC32 of a mapped tensor, read through one small buffer (the map's pages are
-        never touched, so the check makes nothing resident in this process)."""
+        """The CRC32 of a mapped tensor, read through one small buffer: none of the map's
+        pages are touched, so the check leaves the file in the page cache, not in this process."""
         crc = _entry_crc(name, *self._entries[name][:2])
         buffer = numpy.empty(min(_CHUNK, end - begin), dtype=numpy.uint8)
         for offset in range(begin, end, _CHUNK):
