@@ -17,7 +17,7 @@ Every load checks the artefact's manifest (``integrity``); a mismatch, or a miss
 unreadable manifest, rebuilds the artefact from its source, saying so. What a load reads whole
 is checked whole, by its CRC32: a converted folder's config and tokenizer files at every load
 (a few MB), its weights before a load reads them (``weights_intact``: the 1.5B's 3.5 GB in
-about a second; a start from packed weights never reads them), a built-in GGUF before each
+~1.3 s here; a start from packed weights never reads them), a built-in GGUF before each
 conversion and before a w4a8 or requant-q4k pack reads its Q4_K and Q6_K matrices. The packed
 weights check each tensor as they read it (``packed_store``).
 """
