@@ -52,7 +52,29 @@ def test_fingerprint_samples_blocks_and_full_check_sees_the_rest(tmp_path: Path)
     path.write_bytes(data[:between] + bytes([data[between] ^ 1]) + data[between + 1:])
     assert integrity.fingerprint(path) == original
     assert integrity.verify_manifest(tmp_path / "m.json") is None
-    assert integrity.verify_manifest(tmp_path / "m.json", full=True) == "big.bin: SHA-256 differs"
+    assert integrity.verify_manifest(tmp_path / "m.json", full=True) == "big.bin: CRC32 differs"
+
+
+def test_manifest_without_crc32s_is_checked_by_sha256_and_learns_them(tmp_path: Path) -> None:
+    """A manifest written before CRC32s were recorded: a whole-file check compares the SHA-256
+    and adds the CRC32s it computed on the way; damage is found either way."""
+    path = tmp_path / "big.bin"
+    path.write_bytes(np.random.default_rng(1).bytes(3 * 1024 * 1024))
+    manifest = tmp_path / "m.json"
+    integrity.write_manifest(manifest, ["big.bin"])
+    data = json.loads(manifest.read_text())
+    crc = data["files"]["big.bin"].pop("crc32")
+    manifest.write_text(json.dumps(data))
+    assert integrity.verify_manifest(manifest, full=lambda name: name != "big.bin") is None
+    assert "crc32" not in json.loads(manifest.read_text())["files"]["big.bin"]
+    assert integrity.verify_manifest(manifest, full=True) is None
+    assert json.loads(manifest.read_text())["files"]["big.bin"]["crc32"] == crc
+    manifest.write_text(json.dumps(data))
+    original = path.read_bytes()
+    between = 64 * 1024 + 10  # no sampled block covers it
+    path.write_bytes(original[:between] + bytes([original[between] ^ 1]) + original[between + 1:])
+    assert integrity.verify_manifest(manifest, full=True) == "big.bin: SHA-256 differs"
+    assert "crc32" not in json.loads(manifest.read_text())["files"]["big.bin"]
 
 
 @pytest.mark.parametrize(
@@ -325,7 +347,7 @@ def test_full_audit_finds_damage_between_sampled_blocks(tiny_gguf: bytes, tmp_pa
     data[gap] ^= 0xFF
     weights_file.write_bytes(bytes(data))
     assert integrity.verify_manifest(folder / integrity.MANIFEST_NAME) is None  # unseen at start-up
-    assert audit_cache(loaded) == "model.safetensors: SHA-256 differs"
+    assert audit_cache(loaded) == "model.safetensors: CRC32 differs"
     assert not (folder / integrity.MANIFEST_NAME).exists()
     reloaded = load_model(spec)  # rebuilt: the damaged byte is gone
     assert (reloaded.folder / integrity.MANIFEST_NAME).is_file()

@@ -44,9 +44,10 @@ from localspec.models.cache import (
     converted_gguf_dir,
     no_progress,
     verify_manifest,
+    weights_intact,
 )
 from localspec.models.gguf_kquants import read_kquant_matrices
-from localspec.models.packed_store import cpu_decoder, cpu_format, gguf_source, stored_decoder
+from localspec.models.packed_store import cpu_decoder, cpu_format, kquant_source, stored_decoder
 from localspec.runtime.decoder import CpuDecoder, unsupported_reason
 from localspec.runtime.quant import quantize_int8_weight_only
 from localspec.runtime.runner import ModelRunner
@@ -313,6 +314,8 @@ def load_model(spec: ModelSpec, progress: Progress = no_progress,
         progress(f"loaded {spec.model}", 1.0)
         return LoadedModel(spec.model, model, tokenizer, folder, time.perf_counter() - start,
                            decoder)
+    if _is_cached_conversion(spec.model) and not weights_intact(folder, progress):
+        folder = resolve_model(spec, progress, rebuild=True, dtype=stored)
     try:
         tokenizer, model = _load_folder(spec, folder, device, dtype, quantization,
                                         share_tokenizer)
@@ -339,7 +342,7 @@ def load_model(spec: ModelSpec, progress: Progress = no_progress,
                                  f"CPU forward does not support {reason}. Use 'none' or "
                                  "'int8-weight-only'")
         progress(f"{kind} weights of {spec.model}", 0.9)
-        source = gguf_source(spec) if kind != "w8a8" else None
+        source = kquant_source(spec, progress) if kind != "w8a8" else None
         q4k = read_kquant_matrices(source) if source is not None else None
         decoder = cpu_decoder(model, folder, kind, q4k, kernel_lib)
     progress(f"loaded {spec.model}", 1.0)
@@ -363,8 +366,8 @@ def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
 
 
 def audit_cache(loaded: LoadedModel) -> str | None:
-    """The full check the start-up fingerprint cannot afford: every cached file of ``loaded``
-    against its recorded SHA-256 (seconds per GB; the app runs it in the background). On a
+    """Every cached file of ``loaded``'s folder checked whole against its manifest (its weights
+    too, which a start from packed weights never reads; the app runs it in the background). On a
     mismatch the manifest is removed, so the next start rebuilds the folder; returns why.
     A folder that is not our conversion (no manifest) is not ours to judge: None."""
     manifest = loaded.folder / MANIFEST_NAME

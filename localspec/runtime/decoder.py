@@ -166,7 +166,8 @@ class CpuDecoder:
         self.native = None if kernel_lib is None else NativeStack.build(
             kernel_lib, self.layers, config.hidden_size, self.heads, self.kv_heads, self.head_dim,
             self.intermediate, self.eps, self.scaling, self.dtype)
-        self.head = LMHead({key.removeprefix("head."): tensor for key, tensor in weights.items()
+        # keys first: items() of a stored file would read (and check) every tensor again
+        self.head = LMHead({key.removeprefix("head."): weights[key] for key in weights
                             if key.startswith("head.")}, kernel_lib)
         release_weights(model)
 
