@@ -59,8 +59,10 @@ from localspec.runtime.weight_formats import export_weights
 logger = logging.getLogger(__name__)
 
 WEIGHTS_NAME = "packed-weights.safetensors"  # the same name in every kind's folder
-# bump when export_weights' names or layout change, or what is checked (2: down rotation,
-# 3: Q6_K, 4: a CRC32 per tensor)
+# bump when the numbers a pack holds change (what export_weights computes): features and
+# answers computed through them (training/target.py) are then stale too
+NUMERICS = "3"
+# bump when the file's names or layout change, or what is stored to check it: packs are rebuilt
 FORMAT = "4"
 _CRC_KEY = "crc32"  # metadata: JSON {tensor name: CRC32 of its name, dtype, shape and bytes}
 _CHUNK = 8 * 1024 * 1024  # a memory-mapped tensor's check reads it in pieces of this size

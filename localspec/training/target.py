@@ -18,7 +18,7 @@ import torch
 from torch.nn import functional as F
 
 from localspec.config import ModelSpec
-from localspec.models.packed_store import FORMAT as PACKED_FORMAT
+from localspec.models.packed_store import NUMERICS as PACKED_NUMERICS
 from localspec.runtime.runner import ModelRunner
 
 FEATURES_FORMAT = 1  # bump when what a feature file holds changes: old caches are not reused
@@ -67,12 +67,12 @@ class FrozenTarget:
 
 def fingerprint(spec: ModelSpec, folder: Path, device: str, logits_fp32: bool) -> dict[str, object]:
     """What decides a target's features: the model as named and served (dtype,
-    quantization and the packed store's format, device kind, float32 logits) and its files
+    quantization and the numbers its packed weights hold, device kind, float32 logits) and its files
     (name, size, modification time), so that weights changed in place are not mistaken for
     the old ones."""
     files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns)
                    for p in Path(folder).iterdir() if p.is_file())
     return {"format": FEATURES_FORMAT, "model": spec.model, "dtype": spec.dtype,
-            "quantization": spec.quantization, "packed_format": PACKED_FORMAT,
+            "quantization": spec.quantization, "packed_format": PACKED_NUMERICS,
             "device": torch.device(device).type,
             "logits_fp32": logits_fp32, "files": [list(f) for f in files]}
