@@ -17,7 +17,7 @@ PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
 SETUPTOOLS = PYPROJECT["tool"]["setuptools"]
 MAX_MODULE_LINES = 400
 # The architecture, bottom first: a module may import its own subsystem and those on lower
-# floors, never one beside it or above (README: "dependencies point downwards").
+# floors, never one beside it or above (docs/design.md, "Layers").
 LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"errors"}),  # the torch-free base: errors, names and limits, user files
     frozenset({"registry"}),

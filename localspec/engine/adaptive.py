@@ -11,14 +11,14 @@ when long drafts pay. We estimate
     shrunk towards alpha = accepted / (accepted + rejections) (the geometric MLE) where a
     position has little data;
   * c_draft from measured draft time per drafted token;
-  * c_verify(n) = a + b * n from measured verify times, by least squares with forgetting
-    (pricing each width at its own measured mean was tried: no faster, and it drafted more
-    on chat, where drafting does not pay),
+  * c_verify(n) = a + b * n from measured verify times, by least squares with forgetting (one
+    line through all widths: a price per width measured alone drafts more on chat, where
+    drafting does not pay),
 and we keep both robust to stalls: a time can only be too long (another program took the CPU,
 a first call set up its kernels), so a step slower than STALL_FACTOR times the estimate counts
-as that bound, and one faster than half the estimate replaces the history it contradicts.
-Without this, two slow steps at the start of a reply once made drafting look 20x dearer than
-it was and kept it off, probes and all, for the whole reply (0.54x plain on a bench prompt),
+as that bound, and one faster than half the estimate replaces the history it contradicts
+(two slow steps at the start of a reply must not make drafting look many times dearer than it
+is and keep it off for the whole reply),
 and choose the k in [0, k_max] with the best E[tokens] / cost. k = 0 is plain decoding, which
 wins when the drafter keeps missing: then drafting stops, so speculation is never slower than
 plain decoding by more than the probes. A probe follows a run of plain
@@ -29,7 +29,8 @@ A drafter that can tell for free that its next guess is well founded (n-gram loo
 its longest n-gram) has it probed at once instead: on a code edit whose first guesses miss,
 the answer reaches the prompt's code again long before the interval runs out. Each such
 probe that misses doubles the plain steps the next one waits (1, 2, 4, ...), which bounds
-their cost when guesses only look sure. This replaces a fixed "+2 on success, -1 on failure" rule.
+their cost when guesses only look sure. A fixed "+2 on success, -1 on failure" rule
+(transformers') knows neither the costs nor where acceptance falls off.
 """
 
 from __future__ import annotations

@@ -191,8 +191,9 @@ def _save(weights: dict[str, torch.Tensor], out_dir: Path) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    # what an earlier format or an earlier version of the source left behind (a folder of
-    # the same name elsewhere loses its copy too, and is quantized again when next loaded)
+    # folders of this model under another key (another format, or the source's files since
+    # changed) are stale; a folder of the same name elsewhere loses its copy too, and is
+    # quantized again when next loaded
     for old in out_dir.parent.glob(f"{glob.escape(out_dir.name.rsplit('-', 1)[0])}-*"):
         if old != out_dir and old.is_dir() and not old.name.endswith(".part"):
             shutil.rmtree(old, ignore_errors=True)
