@@ -5,12 +5,12 @@ baseline; by default every method the preset can run); transformers' own ``hf-as
 (``generate(assistant_model=...)``), ``hf-lookup`` (``generate(prompt_lookup_num_tokens=...)``)
 and ``hf-plain`` (plain ``generate``), run as anchors on the same weights — or, when the served
 target is in one of the CPU quantizations (whose weights live in the CPU forward, not in a
-transformers model), on the same target unquantized in bfloat16, loaded beside it: the bf16 path, side by side in the same
-run. Greedy only: that is where "identical to none" is defined (an hf-* row on the bf16 target
-is another model's output). Each method runs once on each prompt before any runs twice, so
-drift in machine speed (heat, other processes) spreads over all methods instead of favouring
-one. Every method, setting and prompt is checked before the first run (``check_methods``,
-``encode_prompts``): a benchmark never fails halfway.
+transformers model), on the same target unquantized in bfloat16, loaded beside it: the bf16
+path, side by side in the same run. Greedy only: that is where "identical to none" is defined
+(an hf-* row on the bf16 target is another model's output). Each method runs once on each prompt
+before any runs twice, so drift in machine speed (heat, other processes) spreads over all
+methods instead of favouring one. Every method, setting and prompt is checked before the first
+run (``check_methods``, ``encode_prompts``): a benchmark never fails halfway.
 """
 
 from __future__ import annotations
@@ -117,8 +117,8 @@ class _CallCounter:
 
 def hf_pipeline(pipe: Pipeline, methods: list[str], load: Callable[..., Pipeline]
                 ) -> Pipeline | None:
-    """The pipeline transformers' methods run on: ``pipe`` itself, or for a CPU-quantized target the
-    same preset with its target in bfloat16 (loaded with ``load``); None if no hf-* method."""
+    """The pipeline transformers' methods run on: ``pipe`` itself, or for a CPU-quantized target
+    the same preset with its target in bfloat16 (loaded with ``load``); None if no hf-* method."""
     hf = [m for m in methods if m in HF_METHODS]
     if not hf:
         return None
