@@ -11,7 +11,8 @@ Layout under ``cache_root()`` (``LOCALSPEC_CACHE`` moves it):
   models/<built-in name>/                converted built-in models (manifest inside)
   converted/<stem>-<key>/                converted user .gguf files (manifest inside)
   w8a8/, w4a8/, requant-q4k/<folder>-<key>/  the CPU forward's packed weights (``packed_store``)
-  kernels/lean-<variant>-<key>.so        the CPU forward's compiled kernels (``runtime.kernels``)
+  kernels/kernels-<variant>-<key>.so     the CPU forward's compiled kernels (``runtime.kernels``),
+                                         keyed on their sources, flags and compiler
 
 Every load checks the artefact's manifest (``integrity``); a mismatch, or a missing or
 unreadable manifest, rebuilds the artefact from its source, saying so. What a load reads whole

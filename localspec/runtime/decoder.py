@@ -33,7 +33,7 @@ import torch
 from torch.nn import functional as F
 from transformers import PreTrainedModel
 
-from localspec.runtime.kernels import RowAttention
+from localspec.runtime.kernels.row_attention import RowAttention
 from localspec.runtime.native import NativeStack
 from localspec.runtime.quant import W8A8Linear
 from localspec.runtime.weight_formats import (

@@ -1,4 +1,5 @@
-"""The whole decoder stack in one native call (``lean_forward`` in ``kernels/lean.c``).
+"""The whole decoder stack in one native call (``decoder_forward`` in
+``kernels/decoder_stack.c``).
 
 Why: with the weights in the Q4_K / Q6_K kernels, what is left of a step in Python is the glue
 between them: about 35 tensor calls a layer (norms, RoPE, cache writes, attention, SwiGLU,
@@ -20,33 +21,18 @@ from typing import Any
 
 import torch
 
-from localspec.runtime.kernels import RowAttention
+from localspec.runtime.kernels.abi import MAX_PARTS, KFused, KLayer, KModel, KStep
+from localspec.runtime.kernels.row_attention import RowAttention
 from localspec.runtime.quant import Q4KLinear, Q6KLinear
 from localspec.runtime.weight_formats import ConcatLinear, Linear
 
-MAX_PARTS = 4  # lean.c's MAX_PARTS: linear layers side by side in one fused projection
-_pointer, _size = ctypes.c_void_p, ctypes.c_int64
 
-
-class _Part(ctypes.Structure):
-    _fields_ = [("kind", _size), ("n", _size), ("t", _pointer * 5), ("bias", _pointer)]
-
-
-class _Fused(ctypes.Structure):
-    _fields_ = [("parts", _size), ("part", _Part * MAX_PARTS)]
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [("norm1", _pointer), ("norm2", _pointer), ("qkv", _Fused), ("o", _Fused),
-                ("gate_up", _Fused), ("down", _Fused)]
-
-
-def _fused(linear: Linear, width: int) -> _Fused | None:
+def _fused(linear: Linear, width: int) -> KFused | None:
     """The C description of a projection from ``width`` inputs (None: not all Q4_K / Q6_K)."""
     parts = linear.parts if isinstance(linear, ConcatLinear) else [linear]
     if len(parts) > MAX_PARTS:
         return None
-    fused = _Fused(parts=len(parts))
+    fused = KFused(parts=len(parts))
     for slot, part in zip(fused.part, parts, strict=False):
         if not isinstance(part, Q4KLinear) or part.in_features != width:  # Q6KLinear is one
             return None
@@ -59,15 +45,17 @@ def _fused(linear: Linear, width: int) -> _Fused | None:
 
 
 class NativeStack:
-    """``CpuDecoder``'s layers as ``lean_forward`` takes them; the tensors stay owned by the
+    """``CpuDecoder``'s layers as ``decoder_forward`` takes them (``KModel``, checked against
+    the library by ``abi.mismatch`` when it was loaded); the tensors stay owned by the
     decoder's layers (and the norms kept here), so they outlive every call."""
 
     def __init__(self, lib: ctypes.CDLL, layers: ctypes.Array, norms: list[torch.Tensor],
                  shape: tuple[int, int, int, int, int], eps: float, scale: float) -> None:
-        self._run = lib.lean_forward
+        self._run = lib.decoder_forward
         self._layers, self._norms = layers, norms
         self.hidden, self.heads, self.kv_heads, self.head_dim, self.intermediate = shape
         self.eps, self.scale = eps, scale
+        self._model = KModel(ctypes.addressof(layers), len(layers), *shape, eps, scale)
 
     @classmethod
     def build(cls, lib: ctypes.CDLL, layers: Sequence[Any], hidden: int, heads: int,
@@ -77,7 +65,7 @@ class NativeStack:
         if (not RowAttention.fits(heads, kv_heads, head_dim, cache_dtype)
                 or hidden % 16 or intermediate % 16):
             return None
-        array = (_Layer * len(layers))()
+        array = (KLayer * len(layers))()
         norms: list[torch.Tensor] = []
         q_size = heads * head_dim
         for slot, layer in zip(array, layers, strict=True):
@@ -107,17 +95,18 @@ class NativeStack:
         n = x.shape[0]
         if not (x.dtype == torch.float32 and x.is_contiguous() and keys.is_contiguous()
                 and values.is_contiguous()) or start + n > keys.shape[2]:
-            raise ValueError("lean_forward needs contiguous float32 rows and room in the cache")
+            raise ValueError("decoder_forward needs contiguous float32 rows and room in the "
+                             "cache")
         cos, sin = cos.float().contiguous(), sin.float().contiguous()
         count = len(feature_layers)
         features = torch.empty(n, count * self.hidden) if count else None
-        wanted = (_size * max(count, 1))(*feature_layers)
-        status = self._run(
-            self._layers, len(self._layers), x.data_ptr(), n, self.hidden, self.heads,
-            self.kv_heads, self.head_dim, self.intermediate, self.eps, self.scale,
-            cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[2],
-            start, None if features is None else features.data_ptr(), wanted, count,
-            torch.get_num_threads())
+        wanted = (ctypes.c_int64 * max(count, 1))(*feature_layers)
+        step = KStep(x.data_ptr(), n, start, cos.data_ptr(), sin.data_ptr(), keys.data_ptr(),
+                     values.data_ptr(), keys.shape[2],
+                     None if features is None else features.data_ptr(),
+                     ctypes.addressof(wanted), count)
+        status = self._run(ctypes.byref(self._model), ctypes.byref(step),
+                           torch.get_num_threads())
         if status == -1:
             raise MemoryError("the native decoder stack could not allocate its scratch memory")
         if status:

@@ -29,7 +29,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from localspec.runtime.kernels import (
+from localspec.runtime.kernels.kquant_formats import (
     Q4K_PACKED,
     Q6K_PACKED,
     Q4KWeights,

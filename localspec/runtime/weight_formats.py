@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from localspec.runtime.kernels import (
+from localspec.runtime.kernels.kquant_formats import (
     Q4K_PACKED,
     Q6K_PACKED,
     KQuantWeights,

@@ -1,0 +1,160 @@
+/* The whole decoder stack of a Llama-family model (Qwen2: q/k/v biases) in one call, for a
+ * few new tokens: RMSNorm, the Q4_K / Q6_K projections (kquant_matmul.c), RoPE, the bf16 KV
+ * cache write, attend_rows (attention.c), SwiGLU and both residual adds. The same work as the
+ * Python loop over layers, without its ~35 tensor calls a layer (about 9 ms of a 1.5B
+ * one-token step, 20 ms of a 16-token pass, and a larger share of a 0.5B draft's step). Every
+ * step is row by row in a fixed order, so a row's result does not depend on the other rows of
+ * the call; every float operation is one vec16.h or plain C operation, fused only where the
+ * code says fma32 / v_fma, so every variant gives the same bits.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+#include "vec16.h"
+
+static int64_t fused_width(const KFused *f) {
+    int64_t width = 0;
+    for (int64_t i = 0; i < f->parts; i++) width += f->part[i].n;
+    return width;
+}
+
+/* y [m, width] = x [m, k] times the parts, each with its bias; -1 when memory ran out. */
+static int fused_linear(const KFused *f, const float *x, int64_t m, int64_t k, float *y,
+                        int threads) {
+    const int64_t width = fused_width(f);
+    Scratch s;
+    int ok = scratch_make(&s, x, m, k, 1, threads) == 0;
+    for (int64_t i = 0, at = 0; ok && i < f->parts; at += f->part[i].n, i++) {
+        const KPart *p = &f->part[i];
+        if (p->kind == 4)
+            q4k_run(&s, m, k, p->t[0], p->t[1], p->t[2], p->t[3], p->t[4], p->n, y + at, width,
+                    threads);
+        else
+            q6k_run(&s, m, k, p->t[0], p->t[1], p->t[2], p->t[3], p->n, y + at, width, threads);
+        for (int64_t r = 0; p->bias && r < m; r++)
+            for (int64_t c = 0; c < p->n; c++) y[r * width + at + c] += p->bias[c];
+    }
+    scratch_free(&s);
+    return ok ? 0 : -1;
+}
+
+/* out [m, k] = x / sqrt(mean(x^2) + eps) * w, row by row (k % 16 == 0). */
+static void rms_norm(const float *x, const float *w, int64_t m, int64_t k, float eps,
+                     float *out) {
+    for (int64_t r = 0; r < m; r++) {
+        V16 acc = v_zero();
+        for (int64_t c = 0; c < k; c += 16) {
+            const V16 v = v_load(x + r * k + c);
+            acc = v_fma(v, v, acc);
+        }
+        const V16 inv = v_set1(1.0f / sqrtf(v_sum(acc) / (float)k + eps));
+        for (int64_t c = 0; c < k; c += 16)
+            v_store(out + r * k + c, v_mul(v_mul(v_load(x + r * k + c), inv), v_load(w + c)));
+    }
+}
+
+static inline uint16_t bf16_round(float f) {  /* round to nearest even, as torch's cast */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40);  /* NaN */
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* t [d] rotated by RoPE with cos, sin [d] (the halves convention of rotate_half). */
+static inline void rope(const float *t, const float *cos, const float *sin, int64_t d,
+                        float *out) {
+    const int64_t half = d / 2;
+    for (int64_t i = 0; i < d; i++) {
+        const float turned = i < half ? -t[i + half] : t[i - half];
+        out[i] = fma32(t[i], cos[i], turned * sin[i]);
+    }
+}
+
+/* a [m, inter] = SiLU(gate) * up from gu [m, 2 * inter]: g / (1 + exp(-g)) computed as
+ * (g < 0 ? g * e : g) / (1 + e) with e = exp(-|g|) <= 1 (v_exp takes only x <= 0). */
+static void swiglu(const float *gu, int64_t m, int64_t inter, float *a, int threads) {
+    (void)threads;  /* unused where there is no OpenMP */
+#pragma omp parallel for num_threads(threads) schedule(static) if (m > 1)
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t c = 0; c < inter; c += 16) {
+            const V16 g = v_load(gu + r * 2 * inter + c);
+            const V16 u = v_load(gu + r * 2 * inter + inter + c);
+            const V16 e = v_exp(v_neg_abs(g));
+            const V16 top = v_select(v_less(g, v_zero()), v_mul(g, e), g);
+            v_store(a + r * inter + c, v_mul(v_div(top, v_add(v_set1(1.0f), e)), u));
+        }
+}
+
+/* Queries of every row as attend_rows takes them, RoPE'd; the keys (RoPE'd) and values
+ * written to the layer's cache slots start.. as bf16. */
+static void rope_and_cache(const KModel *M, const KStep *S, const float *qkv, uint16_t *kc,
+                           uint16_t *vc, float *qrows) {
+    const int64_t d = M->head_dim, q_size = M->heads * d, kv_size = M->kv_heads * d;
+    float turned[MAX_HEAD_DIM];  /* d <= MAX_HEAD_DIM: checked by decoder_forward */
+    for (int64_t r = 0; r < S->n; r++) {
+        const float *row = qkv + r * (q_size + 2 * kv_size);
+        const float *cos = S->cos + r * d, *sin = S->sin + r * d;
+        for (int64_t hd = 0; hd < M->heads; hd++)
+            rope(row + hd * d, cos, sin, d, qrows + (hd * S->n + r) * d);
+        for (int64_t kv = 0; kv < M->kv_heads; kv++) {
+            uint16_t *kslot = kc + (kv * S->capacity + S->start + r) * d;
+            uint16_t *vslot = vc + (kv * S->capacity + S->start + r) * d;
+            rope(row + q_size + kv * d, cos, sin, d, turned);
+            for (int64_t c = 0; c < d; c++) {
+                kslot[c] = bf16_round(turned[c]);
+                vslot[c] = bf16_round(row[q_size + kv_size + kv * d + c]);
+            }
+        }
+    }
+}
+
+/* step->x [n, hidden]: the embeddings in, the last layer's output (before the final norm)
+ * out. Every layer's keys and values at positions start.. are written to the cache;
+ * step->features receives the hidden states entering each of step->feature_layers. */
+int decoder_forward(const KModel *model, const KStep *step, int threads) {
+    const KModel *M = model;
+    const KStep *S = step;
+    const int64_t n = S->n, hidden = M->hidden, d = M->head_dim, inter = M->intermediate;
+    const int64_t q_size = M->heads * d, kv_size = M->kv_heads * d;
+    if (d % 32 || d > MAX_HEAD_DIM || hidden % 16 || inter % 16 || M->kv_heads <= 0)
+        return -2;  /* attend_rows' limits and the norms' vectors, checked before any write */
+    float *h = malloc(sizeof(float) * (size_t)(n * hidden));  /* a norm's or a projection's */
+    float *qkv = malloc(sizeof(float) * (size_t)(n * (q_size + 2 * kv_size)));
+    float *qrows = malloc(sizeof(float) * (size_t)(n * q_size));
+    float *attn = malloc(sizeof(float) * (size_t)(n * q_size));
+    float *gu = malloc(sizeof(float) * (size_t)(n * 2 * inter));
+    float *a = malloc(sizeof(float) * (size_t)(n * inter));
+    float *x = S->x;
+    int status = h && qkv && qrows && attn && gu && a ? 0 : -1;
+    for (int64_t i = 0; status == 0 && i < M->n_layers; i++) {
+        const KLayer *L = &M->layers[i];
+        for (int64_t f = 0; f < S->count; f++)
+            if (S->feature_layers[f] == i)
+                for (int64_t r = 0; r < n; r++)
+                    memcpy(S->features + (r * S->count + f) * hidden, x + r * hidden,
+                           sizeof(float) * (size_t)hidden);
+        rms_norm(x, L->norm1, n, hidden, M->eps, h);
+        if ((status = fused_linear(&L->qkv, h, n, hidden, qkv, threads))) break;
+        uint16_t *kc = S->keys + i * M->kv_heads * S->capacity * d;
+        uint16_t *vc = S->values + i * M->kv_heads * S->capacity * d;
+        rope_and_cache(M, S, qkv, kc, vc, qrows);
+        if ((status = attend_rows(qrows, kc, vc, S->capacity, S->start, n, M->heads,
+                                  M->kv_heads, d, M->scale, attn, threads))) break;
+        if ((status = fused_linear(&L->o, attn, n, q_size, h, threads))) break;
+        for (int64_t e = 0; e < n * hidden; e++) x[e] += h[e];
+        rms_norm(x, L->norm2, n, hidden, M->eps, h);
+        if ((status = fused_linear(&L->gate_up, h, n, hidden, gu, threads))) break;
+        swiglu(gu, n, inter, a, threads);
+        if ((status = fused_linear(&L->down, a, n, inter, h, threads))) break;
+        for (int64_t e = 0; e < n * hidden; e++) x[e] += h[e];
+    }
+    free(h);
+    free(qkv);
+    free(qrows);
+    free(attn);
+    free(gu);
+    free(a);
+    return status;
+}

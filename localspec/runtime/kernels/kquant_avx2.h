@@ -1,0 +1,147 @@
+/* The AVX2 inner loops of kquant_matmul.c (CPUs without AVX-512 VNNI): the same integer sums,
+ * made with VPMADDUBSW (u8 x s8 pairs, at most 2 * 63 * 127: no saturation) and VPMADDWD,
+ * and the same float operations on each lane as kquant_portable.h. A 16-row block is taken in
+ * two halves of 8 rows (bytes 0..31 and 32..63 of each 64-byte load). Included by
+ * kquant_matmul.c only (it defines group_inverse and PREFETCH first). */
+#include <immintrin.h>
+
+#define ROWS_PER_PASS 4
+
+/* One group of 32 inputs to int8 (see kquant_portable.h); returns amax. */
+ALWAYS_INLINE float quantize_group(const float *src, int8_t *dst, int32_t sums[2]) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 v[4], top = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_loadu_ps(src + 8 * i);
+        top = _mm256_max_ps(_mm256_andnot_ps(sign, v[i]), top);  /* a NaN keeps top */
+    }
+    float lanes[8], amax = 0.0f;
+    _mm256_storeu_ps(lanes, top);
+    for (int i = 0; i < 8; i++) amax = lanes[i] > amax ? lanes[i] : amax;
+    const __m256 inv = _mm256_set1_ps(group_inverse(amax));
+    const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+    int32_t q[32];
+    for (int i = 0; i < 4; i++)
+        _mm256_storeu_si256((__m256i *)(q + 8 * i), _mm256_min_epi32(_mm256_max_epi32(
+            _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv)), lo), hi));
+    sums[0] = sums[1] = 0;
+    for (int j = 0; j < 32; j++) {
+        dst[j] = (int8_t)q[j];
+        sums[j / 16] += q[j];
+    }
+    return amax;
+}
+
+ALWAYS_INLINE __m256i broadcast4(const int8_t *a) {
+    int32_t word;
+    memcpy(&word, a, 4);
+    return _mm256_set1_epi32(word);
+}
+
+/* Q4_K: rows m0..m0+rows-1 of block b, 16 outputs each (see kquant_avx512.h). */
+ALWAYS_INLINE void block_rows(const uint8_t *qs, const uint8_t *sc, const uint8_t *mn,
+                              const float *d, const float *dmin, const int8_t *xq,
+                              const float *xs, const float *xsum, float *y, int64_t b,
+                              int64_t m0, int rows, int64_t ldy, int64_t k, int64_t m_rows) {
+    const int64_t groups = k / GROUP, supers = (groups + 7) / 8;
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const Q4KGroup *wq = (const Q4KGroup *)qs + b * groups;
+    for (int h = 0; h < 2; h++) {
+        __m256 out[ROWS_PER_PASS];
+        for (int r = 0; r < rows; r++) out[r] = _mm256_setzero_ps();
+        const uint8_t *wsc = sc + b * groups * 16 + h * 8;
+        const uint8_t *wmn = mn + b * groups * 16 + h * 8;
+        __m256 vd = _mm256_setzero_ps(), vdmin = _mm256_setzero_ps();
+        for (int64_t g = 0; g < groups; g++) {
+            if ((g & 7) == 0) {
+                vd = _mm256_loadu_ps(d + (b * supers + g / 8) * 16 + h * 8);
+                vdmin = _mm256_loadu_ps(dmin + (b * supers + g / 8) * 16 + h * 8);
+            }
+            __m256i acc[ROWS_PER_PASS];
+            for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_si256();
+            for (int i = 0; i < 4; i++) {
+                _mm_prefetch((const char *)wq[g + PREFETCH].load[i], _MM_HINT_T0);
+                __m256i v = _mm256_loadu_si256((const void *)(wq[g].load[i] + h * 32));
+                __m256i w0 = _mm256_and_si256(v, low);
+                __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                for (int r = 0; r < rows; r++) {
+                    const int8_t *a = xq + (g * m_rows + m0 + r) * 32 + 8 * i;
+                    acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(w0, broadcast4(a)), ones));
+                    acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(w1, broadcast4(a + 4)), ones));
+                }
+            }
+            __m256 vsc = _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                _mm_loadl_epi64((const void *)(wsc + g * 16)))));
+            __m256 vmn = _mm256_mul_ps(vdmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                _mm_loadl_epi64((const void *)(wmn + g * 16)))));
+            for (int r = 0; r < rows; r++) {
+                int64_t at = g * m_rows + m0 + r;
+                __m256 s = _mm256_mul_ps(vsc, _mm256_set1_ps(xs[at]));
+                out[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), s, out[r]);
+                out[r] = _mm256_fnmadd_ps(vmn, _mm256_set1_ps(xsum[at]), out[r]);
+            }
+        }
+        for (int r = 0; r < rows; r++)
+            _mm256_storeu_ps(y + (m0 + r) * ldy + b * 16 + h * 8, out[r]);
+    }
+}
+
+#define Q6_TOP(hv, sh) ((sh) < 4 ? _mm256_slli_epi16(hv, 4 - (sh)) : \
+                        (sh) == 4 ? (hv) : _mm256_srli_epi16(hv, (sh) - 4))
+
+/* Q6_K: rows m0..m0+rows-1 of block b (see kquant_avx512.h). */
+ALWAYS_INLINE void q6_block_rows(
+        const uint8_t *qs, const uint8_t *qh, const int8_t *sc, const float *d,
+        const int8_t *xq, const float *xs, const int32_t *xsum16, float *y, int64_t b,
+        int64_t m0, int rows, int64_t ldy, int64_t k, int64_t m_rows) {
+    const int64_t groups = k / GROUP, supers = (groups + 7) / 8;
+    const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
+    const __m256i ones = _mm256_set1_epi16(1);
+    const Q4KGroup *wq = (const Q4KGroup *)qs + b * groups;
+    const Q6KTop *wh = (const Q6KTop *)qh + b * groups;
+    for (int h = 0; h < 2; h++) {
+        __m256 out[ROWS_PER_PASS];
+        for (int r = 0; r < rows; r++) out[r] = _mm256_setzero_ps();
+        const int8_t *wsc = sc + b * groups * 32 + h * 8;
+        __m256 vd = _mm256_setzero_ps();
+        for (int64_t g = 0; g < groups; g++) {
+            if ((g & 7) == 0) vd = _mm256_loadu_ps(d + (b * supers + g / 8) * 16 + h * 8);
+            for (int t = 0; t < 2; t++) {
+                _mm_prefetch((const char *)wq[g + PREFETCH].load[2 * t], _MM_HINT_T0);
+                _mm_prefetch((const char *)wq[g + PREFETCH].load[2 * t + 1], _MM_HINT_T0);
+                _mm_prefetch((const char *)wh[g + PREFETCH].vector[t], _MM_HINT_T0);
+                const __m256i hv = _mm256_loadu_si256((const void *)(wh[g].vector[t] + h * 32));
+                __m256i acc[ROWS_PER_PASS];
+                for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_si256();
+                for (int ii = 0; ii < 2; ii++) {
+                    const int i = 2 * t + ii;
+                    __m256i v = _mm256_loadu_si256((const void *)(wq[g].load[i] + h * 32));
+                    __m256i w0 = _mm256_or_si256(_mm256_and_si256(v, low),
+                                                 _mm256_and_si256(Q6_TOP(hv, 4 * ii), top));
+                    __m256i w1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
+                                                 _mm256_and_si256(Q6_TOP(hv, 4 * ii + 2), top));
+                    for (int r = 0; r < rows; r++) {
+                        const int8_t *a = xq + (g * m_rows + m0 + r) * 32 + 8 * i;
+                        acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(
+                            _mm256_maddubs_epi16(w0, broadcast4(a)), ones));
+                        acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(
+                            _mm256_maddubs_epi16(w1, broadcast4(a + 4)), ones));
+                    }
+                }
+                __m256 vsc = _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                    _mm_loadl_epi64((const void *)(wsc + (2 * g + t) * 16)))));
+                for (int r = 0; r < rows; r++) {
+                    int64_t at = g * m_rows + m0 + r;
+                    __m256i exact = _mm256_sub_epi32(
+                        acc[r], _mm256_set1_epi32(32 * xsum16[2 * at + t]));
+                    out[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact),
+                                             _mm256_mul_ps(vsc, _mm256_set1_ps(xs[at])), out[r]);
+                }
+            }
+        }
+        for (int r = 0; r < rows; r++)
+            _mm256_storeu_ps(y + (m0 + r) * ldy + b * 16 + h * 8, out[r]);
+    }
+}

@@ -1,0 +1,134 @@
+/* The AVX-512 VNNI inner loops of kquant_matmul.c: each group's products are exact int32 sums
+ * (VPDPBUSD: u8 weights times s8 inputs), scaled per lane exactly as kquant_portable.h does.
+ * Included by kquant_matmul.c only (it defines group_inverse and PREFETCH first). */
+#include <immintrin.h>
+
+#define ROWS_PER_PASS 8
+
+/* One group of 32 inputs to int8 (see kquant_portable.h); returns amax. */
+ALWAYS_INLINE float quantize_group(const float *src, int8_t *dst, int32_t sums[2]) {
+    const __m512 v0 = _mm512_loadu_ps(src), v1 = _mm512_loadu_ps(src + 16);
+    /* a maximum is exact in any order; max(|x|, m) keeps m for a NaN x */
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(
+        _mm512_abs_ps(v1), _mm512_max_ps(_mm512_abs_ps(v0), _mm512_setzero_ps())));
+    const __m512 inv = _mm512_set1_ps(group_inverse(amax));
+    const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+    /* CVTPS2DQ: nearest even, NaN and out of range INT32_MIN (then clamped) */
+    const __m512i q0 = _mm512_min_epi32(_mm512_max_epi32(
+        _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), lo), hi);
+    const __m512i q1 = _mm512_min_epi32(_mm512_max_epi32(
+        _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv)), lo), hi);
+    _mm_storeu_si128((__m128i *)dst, _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128((__m128i *)(dst + 16), _mm512_cvtepi32_epi8(q1));
+    sums[0] = _mm512_reduce_add_epi32(q0);
+    sums[1] = _mm512_reduce_add_epi32(q1);
+    return amax;
+}
+
+/* Q4_K: rows m0..m0+rows-1 of block b, 16 outputs each. Always inlined with a constant
+ * ``rows``, so that the accumulators live in registers. */
+ALWAYS_INLINE void block_rows(const uint8_t *qs, const uint8_t *sc, const uint8_t *mn,
+                              const float *d, const float *dmin, const int8_t *xq,
+                              const float *xs, const float *xsum, float *y, int64_t b,
+                              int64_t m0, int rows, int64_t ldy, int64_t k, int64_t m_rows) {
+    const int64_t groups = k / GROUP, supers = (groups + 7) / 8;
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512 out[ROWS_PER_PASS];
+    for (int r = 0; r < rows; r++) out[r] = _mm512_setzero_ps();
+    const Q4KGroup *wq = (const Q4KGroup *)qs + b * groups;
+    const uint8_t *wsc = sc + b * groups * 16;
+    const uint8_t *wmn = mn + b * groups * 16;
+    __m512 vd = _mm512_setzero_ps(), vdmin = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        if ((g & 7) == 0) {
+            vd = _mm512_loadu_ps(d + (b * supers + g / 8) * 16);
+            vdmin = _mm512_loadu_ps(dmin + (b * supers + g / 8) * 16);
+        }
+        __m512i acc[ROWS_PER_PASS];
+        for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_si512();
+        for (int i = 0; i < 4; i++)
+            _mm_prefetch((const char *)wq[g + PREFETCH].load[i], _MM_HINT_T0);
+        for (int i = 0; i < 4; i++) {
+            __m512i v = _mm512_loadu_si512((const void *)wq[g].load[i]);
+            __m512i w0 = _mm512_and_si512(v, low);
+            __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            for (int r = 0; r < rows; r++) {
+                const int8_t *a = xq + (g * m_rows + m0 + r) * 32 + 8 * i;
+                int32_t a0, a1;
+                memcpy(&a0, a, 4);
+                memcpy(&a1, a + 4, 4);
+                acc[r] = _mm512_dpbusd_epi32(acc[r], w0, _mm512_set1_epi32(a0));
+                acc[r] = _mm512_dpbusd_epi32(acc[r], w1, _mm512_set1_epi32(a1));
+            }
+        }
+        __m512 vsc = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(
+            _mm512_cvtepu8_epi32(_mm_loadu_si128((const void *)(wsc + g * 16)))));
+        __m512 vmn = _mm512_mul_ps(vdmin, _mm512_cvtepi32_ps(
+            _mm512_cvtepu8_epi32(_mm_loadu_si128((const void *)(wmn + g * 16)))));
+        for (int r = 0; r < rows; r++) {
+            int64_t at = g * m_rows + m0 + r;
+            __m512 s = _mm512_mul_ps(vsc, _mm512_set1_ps(xs[at]));
+            out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), s, out[r]);
+            out[r] = _mm512_fnmadd_ps(vmn, _mm512_set1_ps(xsum[at]), out[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) _mm512_storeu_ps(y + (m0 + r) * ldy + b * 16, out[r]);
+}
+
+/* Q6_K operand s of load i (ii = i % 2): the top bits moved to bits 4..5 of each byte. */
+#define Q6_TOP(hv, sh) ((sh) < 4 ? _mm512_slli_epi16(hv, 4 - (sh)) : \
+                        (sh) == 4 ? (hv) : _mm512_srli_epi16(hv, (sh) - 4))
+
+/* Q6_K: per half-group of 16 inputs the int32 sum of q * x minus 32 * sum(x) is exact; it is
+ * scaled once, in the same order for any M. */
+ALWAYS_INLINE void q6_block_rows(
+        const uint8_t *qs, const uint8_t *qh, const int8_t *sc, const float *d,
+        const int8_t *xq, const float *xs, const int32_t *xsum16, float *y, int64_t b,
+        int64_t m0, int rows, int64_t ldy, int64_t k, int64_t m_rows) {
+    const int64_t groups = k / GROUP, supers = (groups + 7) / 8;
+    const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
+    __m512 out[ROWS_PER_PASS];
+    for (int r = 0; r < rows; r++) out[r] = _mm512_setzero_ps();
+    const Q4KGroup *wq = (const Q4KGroup *)qs + b * groups;
+    const Q6KTop *wh = (const Q6KTop *)qh + b * groups;
+    const int8_t *wsc = sc + b * groups * 32;
+    __m512 vd = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        if ((g & 7) == 0) vd = _mm512_loadu_ps(d + (b * supers + g / 8) * 16);
+        for (int i = 0; i < 4; i++)
+            _mm_prefetch((const char *)wq[g + PREFETCH].load[i], _MM_HINT_T0);
+        for (int t = 0; t < 2; t++)
+            _mm_prefetch((const char *)wh[g + PREFETCH].vector[t], _MM_HINT_T0);
+        for (int t = 0; t < 2; t++) {
+            const __m512i hv = _mm512_loadu_si512((const void *)wh[g].vector[t]);
+            __m512i acc[ROWS_PER_PASS];
+            for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_si512();
+            for (int ii = 0; ii < 2; ii++) {
+                const int i = 2 * t + ii;
+                __m512i v = _mm512_loadu_si512((const void *)wq[g].load[i]);
+                __m512i w0 = _mm512_or_si512(_mm512_and_si512(v, low),
+                                             _mm512_and_si512(Q6_TOP(hv, 4 * ii), top));
+                __m512i w1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low),
+                                             _mm512_and_si512(Q6_TOP(hv, 4 * ii + 2), top));
+                for (int r = 0; r < rows; r++) {
+                    const int8_t *a = xq + (g * m_rows + m0 + r) * 32 + 8 * i;
+                    int32_t a0, a1;
+                    memcpy(&a0, a, 4);
+                    memcpy(&a1, a + 4, 4);
+                    acc[r] = _mm512_dpbusd_epi32(acc[r], w0, _mm512_set1_epi32(a0));
+                    acc[r] = _mm512_dpbusd_epi32(acc[r], w1, _mm512_set1_epi32(a1));
+                }
+            }
+            __m512 vsc = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                _mm_loadu_si128((const void *)(wsc + (2 * g + t) * 16)))));
+            for (int r = 0; r < rows; r++) {
+                int64_t at = g * m_rows + m0 + r;
+                __m512i exact = _mm512_sub_epi32(acc[r],
+                                                 _mm512_set1_epi32(32 * xsum16[2 * at + t]));
+                out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact),
+                                         _mm512_mul_ps(vsc, _mm512_set1_ps(xs[at])), out[r]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) _mm512_storeu_ps(y + (m0 + r) * ldy + b * 16, out[r]);
+}

@@ -1,0 +1,133 @@
+/* W4A8 matrix products over GGUF Q4_K and Q6_K weights (block layouts in kernels.h).
+ *
+ * y[m, n] = sum_k x[m, k] * w[n, k], with w exactly as the file stores it. The activations are
+ * quantized here to int8 with one scale per group of 32 (as llama.cpp's Q8_0), so a single
+ * outlier only coarsens its own group. Each group's product is an exact int32 sum; the float
+ * work per group and row is the same whatever the number of rows M or threads, so a row's
+ * output is bit for bit the same in a one-token step and inside a verify pass.
+ *
+ * The inner loops come in one header per variant (kquant_avx512.h, kquant_avx2.h,
+ * kquant_portable.h), all with the same float operations on each output lane: the variants
+ * give the same bits. This file is what they share: quantizing the activations, splitting
+ * the output blocks between threads, the exported functions.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+
+#ifndef PREFETCH
+#define PREFETCH 8  /* groups ahead */
+#endif
+
+/* 127 / amax: what a group's inputs are multiplied by before rounding (0 for an all-zero or
+ * all-NaN group, whose inputs all become 0 or -127). */
+ALWAYS_INLINE float group_inverse(float amax) { return amax > 0.0f ? 127.0f / amax : 0.0f; }
+
+#if defined(KERNELS_AVX512)
+#include "kquant_avx512.h"
+#elif defined(KERNELS_AVX2)
+#include "kquant_avx2.h"
+#else
+#include "kquant_portable.h"
+#endif
+
+/* Per row m and group g (see Scratch in kernels.h): group-major, so the rows a block takes
+ * for one group lie side by side, one base pointer and constant offsets (row-major, the
+ * compiler kept eight row pointers and spilled them: 8% slower from 8 rows on). */
+static void quantize_rows(const float *x, int64_t m_rows, int64_t k, int8_t *xq, float *xs,
+                          float *xsum, int32_t *xsum16, int threads) {
+    const int64_t groups = k / GROUP;
+    (void)threads;  /* unused where there is no OpenMP */
+#pragma omp parallel for num_threads(threads) schedule(static) if (m_rows * k >= 32768)
+    for (int64_t at = 0; at < m_rows * groups; at++) {
+        const int64_t m = at / groups, g = at % groups;
+        int32_t sums[2];
+        const float amax = quantize_group(x + m * k + g * GROUP, xq + (g * m_rows + m) * GROUP,
+                                          sums);
+        if (xsum16) {  /* Q6_K's sums per 16 inputs */
+            xsum16[2 * (g * m_rows + m)] = sums[0];
+            xsum16[2 * (g * m_rows + m) + 1] = sums[1];
+        }
+        const float scale = amax / 127.0f;
+        xs[g * m_rows + m] = scale;
+        xsum[g * m_rows + m] = scale * (float)(sums[0] + sums[1]);
+    }
+}
+
+int scratch_make(Scratch *s, const float *x, int64_t m_rows, int64_t k, int with_sums16,
+                 int threads) {
+    const int64_t groups = k / GROUP;
+    s->xq = malloc((size_t)(m_rows * k));
+    s->xs = malloc(sizeof(float) * (size_t)(m_rows * groups));
+    s->xsum = malloc(sizeof(float) * (size_t)(m_rows * groups));
+    s->xsum16 = with_sums16 ? malloc(sizeof(int32_t) * (size_t)(m_rows * groups * 2)) : NULL;
+    if (!s->xq || !s->xs || !s->xsum || (with_sums16 && !s->xsum16)) return -1;
+    quantize_rows(x, m_rows, k, s->xq, s->xs, s->xsum, s->xsum16, threads);
+    return 0;
+}
+
+void scratch_free(Scratch *s) {
+    free(s->xq);
+    free(s->xs);
+    free(s->xsum);
+    free(s->xsum16);
+}
+
+/* Every 16-row block of outputs, ROWS_PER_PASS input rows at a time, split between threads;
+ * CALL(R) handles R rows from m0 of block b, R a constant so that accumulators stay in
+ * registers. */
+#if ROWS_PER_PASS > 4
+#define WIDE_ROWS(CALL) CALL(5) CALL(6) CALL(7) CALL(8)
+#else
+#define WIDE_ROWS(CALL)
+#endif
+#define FOR_BLOCKS(CALL)                                                                    \
+    _Pragma("omp parallel for num_threads(threads) schedule(static)")                       \
+    for (int64_t b = 0; b < n / BLOCK_ROWS; b++) {                                          \
+        for (int64_t m0 = 0; m0 < m_rows; m0 += ROWS_PER_PASS) {                            \
+            switch (m_rows - m0 < ROWS_PER_PASS ? m_rows - m0 : ROWS_PER_PASS) {            \
+                CALL(1) CALL(2) CALL(3) CALL(4) WIDE_ROWS(CALL)                             \
+            }                                                                               \
+        }                                                                                   \
+    }
+
+void q4k_run(const Scratch *s, int64_t m_rows, int64_t k, const uint8_t *qs, const uint8_t *sc,
+             const uint8_t *mn, const float *d, const float *dmin, int64_t n, float *y,
+             int64_t ldy, int threads) {
+    (void)threads;
+#define Q4(R) case R: block_rows(qs, sc, mn, d, dmin, s->xq, s->xs, s->xsum, y, b, m0, R, \
+                                 ldy, k, m_rows); break;
+    FOR_BLOCKS(Q4)
+#undef Q4
+}
+
+void q6k_run(const Scratch *s, int64_t m_rows, int64_t k, const uint8_t *qs, const uint8_t *qh,
+             const int8_t *sc, const float *d, int64_t n, float *y, int64_t ldy, int threads) {
+    (void)threads;
+#define Q6(R) case R: q6_block_rows(qs, qh, sc, d, s->xq, s->xs, s->xsum16, y, b, m0, R, ldy, \
+                                    k, m_rows); break;
+    FOR_BLOCKS(Q6)
+#undef Q6
+}
+
+int q4k_linear(const float *x, int64_t m_rows, int64_t k, const uint8_t *qs, const uint8_t *sc,
+               const uint8_t *mn, const float *d, const float *dmin, int64_t n, float *y,
+               int threads) {
+    Scratch s;
+    int ok = scratch_make(&s, x, m_rows, k, 0, threads) == 0;
+    if (ok) q4k_run(&s, m_rows, k, qs, sc, mn, d, dmin, n, y, n, threads);
+    scratch_free(&s);
+    return ok ? 0 : -1;
+}
+
+int q6k_linear(const float *x, int64_t m_rows, int64_t k, const uint8_t *qs, const uint8_t *qh,
+               const int8_t *sc, const float *d, int64_t n, float *y, int threads) {
+    Scratch s;
+    int ok = scratch_make(&s, x, m_rows, k, 1, threads) == 0;
+    if (ok) q6k_run(&s, m_rows, k, qs, qh, sc, d, n, y, n, threads);
+    scratch_free(&s);
+    return ok ? 0 : -1;
+}
+
+int64_t kernels_rows_per_pass(void) { return ROWS_PER_PASS; }
