@@ -251,3 +251,23 @@ def test_a_compiler_without_openmp_still_builds(tmp_path: Path, monkeypatch: pyt
         lib = load_kernels(tmp_path / "kernels", "portable")
     assert "without OpenMP" in caplog.text
     assert lib.q4k_linear is not None
+
+
+def test_an_x86_cpu_without_simd_is_served_the_int8_path(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On x86 without AVX2 the portable build would emulate every FMA (slower than int8):
+    ``serving_kernels`` refuses it, so a w4a8 preset falls back to w8a8; on ARM it serves, and
+    LOCALSPEC_KERNELS=portable serves it anywhere (the same bits, for tests and comparisons)."""
+    monkeypatch.setattr(library, "cpu_features", lambda: frozenset({"sse4_2"}))
+    with pytest.raises(KernelUnavailable, match="portable kernels would be"):
+        library.serving_kernels(tmp_path / "kernels", machine="x86_64")
+    assert library.built_variant(
+        library.serving_kernels(tmp_path / "kernels", machine="aarch64")) == "portable"
+    monkeypatch.setenv(KERNELS_ENV, "portable")
+    assert library.built_variant(
+        library.serving_kernels(tmp_path / "kernels", machine="x86_64")) == "portable"
+    monkeypatch.undo()  # this CPU, as it is: a SIMD variant it runs serves on x86 too
+    best = pick_variant(library.cpu_features())
+    if best != "portable":
+        assert library.built_variant(
+            library.serving_kernels(tmp_path / "kernels", machine="x86_64")) == best

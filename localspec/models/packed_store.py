@@ -53,7 +53,7 @@ from localspec.models.integrity import (
     writer_tag,
 )
 from localspec.runtime.decoder import CpuDecoder
-from localspec.runtime.kernels import KernelUnavailable, KQuantWeights, load_kernels
+from localspec.runtime.kernels import KernelUnavailable, KQuantWeights, serving_kernels
 from localspec.runtime.weight_formats import export_weights
 
 logger = logging.getLogger(__name__)
@@ -269,16 +269,16 @@ def kquant_source(spec: ModelSpec, progress: Progress) -> Path | None:
 
 def cpu_format(spec: ModelSpec, progress: Progress) -> tuple[str, object | None]:
     """The CPU forward a spec of CPU_QUANTIZATIONS gets here, and the kernel library for the
-    w4a8 kinds. They need the native kernels (AVX2 or AVX-512 VNNI, and a C compiler), and
-    "w4a8" a GGUF source (its Q4_K and Q6_K matrices); without them it is served as "w8a8",
-    and the log and progress say why."""
+    w4a8 kinds. They need the native kernels (a C compiler, and AVX-512 VNNI or AVX2 on x86:
+    ``serving_kernels``), and "w4a8" a GGUF source (its Q4_K and Q6_K matrices); without them
+    it is served as "w8a8", and the log and progress say why."""
     if spec.quantization == "w8a8":
         return "w8a8", None
     if spec.quantization == "w4a8" and gguf_source(spec) is None:
         reason = "it is not a GGUF model (no Q4_K or Q6_K matrices to keep)"
     else:
         try:
-            return spec.quantization, load_kernels(kernel_dir())
+            return spec.quantization, serving_kernels(kernel_dir())
         except KernelUnavailable as exc:
             reason = f"the Q4_K / Q6_K kernels are unavailable here: {exc}"
     message = f"{spec.model}: {spec.quantization} served as w8a8 because {reason}"

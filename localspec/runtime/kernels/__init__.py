@@ -49,6 +49,7 @@ from localspec.runtime.kernels.library import (
     load_kernels,
     pick_variant,
     runnable_variants,
+    serving_kernels,
 )
 from localspec.runtime.kernels.row_attention import RowAttention
 
@@ -57,5 +58,5 @@ __all__ = [
     "Q6K_GROUP", "Q6K_PACKED", "SUPER", "VARIANTS", "KQuantWeights", "KernelUnavailable",
     "Q4KWeights", "Q6KWeights", "RowAttention", "cpu_features", "load_kernels", "pack_q4k",
     "pack_q6k", "parse_q4k", "parse_q6k", "pick_variant", "quantize_q4k", "quantize_q6k",
-    "runnable_variants", "unpack_q6k",
+    "runnable_variants", "serving_kernels", "unpack_q6k",
 ]

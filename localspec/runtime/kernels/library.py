@@ -27,6 +27,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -51,6 +52,9 @@ PORTABLE = "portable"
 # 31 ms with AVX-512, 43 ms with AVX2 and 533 ms portable (x86 without -mfma: every fused
 # multiply-add emulated, vec16.h's fma32); a 16-token pass 98 ms, 322 ms and 5.1 s.
 PORTABLE_COST = "about 12x slower than AVX2 per one-token step and 16x per 16-token pass on x86"
+# Machines whose baseline instruction set has no fused multiply-add: the portable build
+# emulates each one there, slower than the int8 path a w4a8 preset otherwise falls back to.
+X86_MACHINES = frozenset({"x86_64", "amd64", "i386", "i686", "x86"})
 
 
 @dataclass(frozen=True)
@@ -264,3 +268,23 @@ def load_kernels(cache_dir: Path, variant: str | None = None) -> ctypes.CDLL:
                            else "no SIMD variant runs or builds here", PORTABLE_COST)
         return lib
     raise KernelUnavailable("; ".join(failures))
+
+
+def built_variant(lib: ctypes.CDLL) -> str:
+    """The variant ``lib`` was built as (its ``kernels_variant``)."""
+    lib.kernels_variant.restype, lib.kernels_variant.argtypes = ctypes.c_char_p, []
+    return (lib.kernels_variant() or b"").decode(errors="replace")
+
+
+def serving_kernels(cache_dir: Path, machine: str | None = None) -> ctypes.CDLL:
+    """The kernels to serve a quantized model with: ``load_kernels``' choice, except that on
+    an x86 CPU with no SIMD variant (``machine``: default, this one) the portable build is not
+    served unless ``LOCALSPEC_KERNELS`` asks for it: there it emulates every fused
+    multiply-add, and the int8 path callers fall back to is faster. On ARM and other CPUs with
+    FMA in their baseline it serves."""
+    lib = load_kernels(cache_dir)
+    emulated = (machine or platform.machine()).lower() in X86_MACHINES
+    if built_variant(lib) == PORTABLE and emulated and requested_variant() is None:
+        raise KernelUnavailable(f"no SIMD variant runs or builds here, and the portable "
+                                f"kernels would be {PORTABLE_COST}")
+    return lib
