@@ -16,7 +16,8 @@ In int8, the down projection's input (SiLU(gate) * up: heavy-tailed, a few chann
 larger than the rest) is first turned by a block Hadamard rotation, and the weight by the same
 one offline, so the product is unchanged in exact arithmetic; the rotation spreads each
 outlier over a block, and per-token int8 then keeps the other channels' precision (QuaRot's
-online rotation). Top-1 agreement with bf16 rose from 96.8% to 97.8% (README).
+online rotation): top-1 agreement with bf16 goes from 96.8% without it to 97.8% on the quality
+texts (docs/models.md).
 
 The residual stream and norms run in float32 (cheap for the few rows a decode step feeds);
 keys and values are stored in the model's dtype. The weights are taken from a loaded

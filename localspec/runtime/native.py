@@ -3,11 +3,11 @@
 
 Why: with the weights in the Q4_K / Q6_K kernels, what is left of a step in Python is the glue
 between them: about 35 tensor calls a layer (norms, RoPE, cache writes, attention, SwiGLU,
-residual adds), each a few microseconds of dispatch for a few thousand numbers. That was about
-9 ms of a 1.5B one-token step (60 ms), 20 ms of a 16-token verify pass, and more of a 0.5B
-draft's step. The C function does the same work row by row in a fixed order, so a verify pass
-stays bit-identical to one-token steps (tests check it), as the Python loop's per-row
-attention made it.
+residual adds), each a few microseconds of dispatch for a few thousand numbers: about 9 ms of
+a 1.5B one-token step, 20 ms of a 16-token verify pass, and more of a 0.5B draft's step. The
+C function does the same work row by row in a fixed order, so a verify pass stays
+bit-identical to one-token steps (tests check it), as the Python loop's per-row attention
+does.
 
 ``NativeStack.build`` returns None for a decoder it cannot run (a layer in int8 or dense, a
 float32 cache, a shape the attention kernel does not take): the Python loop serves those.

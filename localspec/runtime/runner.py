@@ -15,7 +15,7 @@ graphs need. ``cuda_graphs=True`` (with a static cache) runs each forward of up 
 (``torch.compile(mode="reduce-overhead")``): a feed of n tokens is padded to the next bucket
 with copies of its last token at the following positions, whose keys and values land past
 the length and are dropped as stale (no real row attends to a later position). An eager pass
-of a 7B model on an H200 is launch-bound (~20 ms against ~6 ms of kernels, issue 8): the graph
+of a 7B model on an H200 is launch-bound (~20 ms against ~6 ms of kernels): the graph
 replays the kernels without Python in between. Off CUDA the same step is traced with the
 compiler's eager backend (no graphs): how the padding and cropping are tested on a CPU.
 

@@ -11,8 +11,8 @@ activations, flat up to several rows and bit-identical whatever the number of ro
 same for the file's Q6_K matrices (the LM head, half the v and down projections of a Q4_K_M
 file), which int8 would read at 8 bits instead of 6.6. ``attention.c`` attends new rows over a
 bf16 KV cache (``RowAttention``) and ``decoder_stack.c`` runs the whole decoder stack in one
-call (``decoder_forward``, used by ``localspec.runtime.native``): once the matrices were fast,
-the tensor calls between them were a sixth of a step.
+call (``decoder_forward``, used by ``localspec.runtime.native``): with the matrices this fast,
+the tensor calls between them from Python would be a sixth of a step.
 
 Modules: ``library`` builds and loads the library (variants, CPU features, the cache),
 ``abi`` mirrors its C interface for ctypes and checks it, ``row_attention`` wraps

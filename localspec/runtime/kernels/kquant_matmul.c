@@ -33,8 +33,8 @@ ALWAYS_INLINE float group_inverse(float amax) { return amax > 0.0f ? 127.0f / am
 #endif
 
 /* Per row m and group g (see Scratch in kernels.h): group-major, so the rows a block takes
- * for one group lie side by side, one base pointer and constant offsets (row-major, the
- * compiler kept eight row pointers and spilled them: 8% slower from 8 rows on). */
+ * for one group lie side by side, one base pointer and constant offsets (row-major would
+ * need eight live row pointers, which the compiler spills: 8% slower from 8 rows on). */
 static void quantize_rows(const float *x, int64_t m_rows, int64_t k, int8_t *xq, float *xs,
                           float *xsum, int32_t *xsum16, int threads) {
     const int64_t groups = k / GROUP;
