@@ -16,6 +16,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config
 
 from localspec.cli.main import main
+from localspec.drafters.base import Drafter
+from localspec.drafters.draft_model import DraftModelDrafter
+from localspec.drafters.lookup_first import LookupFirstDrafter
+from localspec.drafters.ngram import NgramDrafter
 from localspec.engine.engine import GenerationRequest, SpeculativeEngine, StepEvent
 from localspec.runtime.runner import ModelRunner
 
@@ -162,6 +166,34 @@ def collect(engine: SpeculativeEngine, request: GenerationRequest,
     stream = engine.generate(request) if cancelled is None else engine.generate(request, cancelled)
     events = list(stream)
     return [t for e in events for t in e.tokens], events
+
+
+def draft_drafter(model: PreTrainedModel, threshold: float = 0.0,
+                  tokenizer_vocab: int = VOCAB) -> DraftModelDrafter:
+    return DraftModelDrafter(ModelRunner(model), target_vocab_size=VOCAB,
+                             tokenizer_vocab_size=tokenizer_vocab,
+                             confidence_threshold=threshold)
+
+
+@pytest.fixture
+def make_drafter(target_model: PreTrainedModel, random_draft_model: PreTrainedModel,
+                 close_draft_model: PreTrainedModel, padded_draft_model: PreTrainedModel
+                 ) -> Callable[[str], Drafter]:
+    """A drafter by kind over the tiny models, fresh for each call (the engine tests'
+    drafters: n-gram lookup, draft models random, close, padded, the target itself)."""
+    def make(kind: str) -> Drafter:
+        return {
+            "ngram": lambda: NgramDrafter(prompt_lookup_max=4, prompt_lookup_min=1),
+            "random-draft": lambda: draft_drafter(random_draft_model),
+            "close-draft": lambda: draft_drafter(close_draft_model),
+            "close-draft-threshold": lambda: draft_drafter(close_draft_model, threshold=0.3),
+            "self-draft": lambda: draft_drafter(target_model),
+            "padded-draft": lambda: draft_drafter(padded_draft_model),
+            "lookup-first": lambda: LookupFirstDrafter(NgramDrafter(3, 2),
+                                                       draft_drafter(close_draft_model)),
+        }[kind]()
+
+    return make
 
 
 @pytest.fixture(scope="session")

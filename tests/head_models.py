@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel
 
 VOCAB = 97
 HIDDEN = 32
+DRAFT_VOCAB = 40  # an EAGLE-3 head's own vocabulary, part of the target's
 
 
 def llama_target(layers: int = 8, seed: int = 0, vocab: int = VOCAB) -> PreTrainedModel:

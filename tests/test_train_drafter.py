@@ -2,10 +2,12 @@
 loads through the drafters' loaders and drafts losslessly, and on a target whose next token is
 predictable the trained EAGLE heads are accepted (an off-by-one between the features, the
 labels and the drafter would leave them at 1.0 token per pass); the feature cache spares the
-target a second pass; an interrupted run resumed gives the uninterrupted run's head; bad input
-is one line and exit 2. Also: the batched training-time-test forward equals the drafter's
-forward, and the default head sizes fit the 40 MB budget for the bundled 1.5B.
-"""
+target a second pass; an interrupted run resumed gives the uninterrupted run's head;
+self-distilled answers are made once; ``--init`` trains a head further; the same command on a
+GPU; bad input is one line and exit 2.
+
+Training's parts on their own (corpus, answer cache, unroll, head sizes, gradients) are
+``test_train_parts``."""
 
 from __future__ import annotations
 
@@ -26,31 +28,18 @@ from conftest import (
 from conftest import decode as toy_decode
 from head_models import embeddings_through, llama_target, unit_embeddings
 from safetensors.torch import load_file
-from transformers import Qwen2Config
 
 from localspec.drafters.eagle import EagleDrafter
-from localspec.drafters.eagle_head import EagleHead, HeadCache
 from localspec.drafters.head_files import read_head
 from localspec.drafters.head_layouts import load_eagle_head, load_medusa_heads
-from localspec.drafters.medusa import MedusaDrafter, MedusaHeads
+from localspec.drafters.medusa import MedusaDrafter
 from localspec.engine.engine import GenerationRequest, SpeculativeEngine
-from localspec.errors import InputFileError
 from localspec.pipeline import Pipeline
 from localspec.presets import load_preset
 from localspec.runtime.runner import ModelRunner
 from localspec.training import train as train_module
 from localspec.training.answers import AnswerCache, SelfDistiller
-from localspec.training.corpus import default_documents, encoders, user_documents
-from localspec.training.heads import (
-    HeadShape,
-    eagle_spec,
-    feature_layers,
-    head_bytes,
-    new_head,
-    vocabulary,
-)
-from localspec.training.losses import IGNORE, eagle_loss, eagle_unroll
-from localspec.training.target import FrozenTarget
+from localspec.training.corpus import encoders, user_documents
 
 METHODS = ("eagle", "eagle3", "medusa")
 TINY = ["--tokens", "1024", "--seq-len", "64", "--batch", "4", "--eval-tokens", "16",
@@ -278,18 +267,6 @@ def test_self_distillation_answers_with_the_target_once(
     assert second["features"]["reused"] == second["chunks"] == first["chunks"]
 
 
-def test_answer_cache_skips_a_line_cut_short(tmp_path: Path) -> None:
-    path = tmp_path / "answers.jsonl"
-    cache = AnswerCache(path)
-    cache.put("first request", "first answer")
-    cache.put("second request", "second answer")
-    with path.open("a", encoding="utf-8") as f:
-        f.write('{"prompt_sha256": "ab')  # a write killed half-way
-    again = AnswerCache(path)
-    assert len(again) == 2 and again.get("second request") == "second answer"
-    assert again.get("third request") is None
-
-
 def test_init_trains_a_head_further(capsys: pytest.CaptureFixture[str], tmp_path: Path,
                                     targets: dict[str, str], corpus: Path) -> None:
     """``--init``: training starts from the trained head (its loss where that one ended, its
@@ -306,6 +283,25 @@ def test_init_trains_a_head_further(capsys: pytest.CaptureFixture[str], tmp_path
     assert_user_error(run_cli(capsys, "train-drafter", "--method", "eagle", "--preset",
                               targets["random"], "--out", str(tmp_path / "c"), "--corpus",
                               str(corpus), *TINY, "--init", str(tmp_path / "a")), "eagle")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here")
+@pytest.mark.parametrize("method", METHODS)
+def test_training_runs_unchanged_on_a_gpu(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                          targets: dict[str, str], corpus: Path,
+                                          method: str) -> None:
+    """Same command, the target on CUDA: features, batches, generators and the head all on
+    the target's device; the result resumes and measures like on the CPU."""
+    preset = tmp_path / "cuda.toml"
+    text = Path(targets["random"]).read_text("utf-8")
+    preset.write_text(text.replace('device = "cpu"', 'device = "cuda"'), encoding="utf-8")
+    report = train_cli(capsys, str(preset), method, tmp_path / "head", corpus, "--steps", "4",
+                       "--lr", "1e-2", "--eval-prompts", "1")
+    resumed = train_cli(capsys, str(preset), method, tmp_path / "head", corpus, "--steps", "6",
+                        "--lr", "1e-2", "--eval-prompts", "1", "--resume")
+    assert report["training"]["end_step"] == 4 and resumed["training"]["start_step"] == 4
+    assert resumed["acceptance"]["new_tokens"] == 16
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -346,32 +342,6 @@ def test_bad_input_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str], tm
     assert_user_error(run_cli(capsys, "train-drafter", *args), *needles)
 
 
-def test_corpus_is_bounded_in_total(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each file is bounded when it is read; a folder of many is bounded too, by the sizes of
-    what it holds, before any is read."""
-    import localspec.training.corpus as corpus_module
-
-    monkeypatch.setattr(corpus_module, "MAX_CORPUS_BYTES", 100)
-    for name in ("a.txt", "b.md"):
-        (tmp_path / name).write_text("word " * 12, encoding="utf-8")
-    with pytest.raises(InputFileError, match=f"--corpus {tmp_path}: its files hold 120 bytes, "
-                                             "more than the 100 bytes"):
-        user_documents([str(tmp_path)])
-
-
-def test_corpus_folder_that_cannot_be_listed(tmp_path: Path,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """``--corpus /`` meets /proc/1/cwd: an error naming what could not be read."""
-
-    def denied(*_args: object) -> None:
-        raise PermissionError(13, "Permission denied", "/proc/1/cwd")
-
-    monkeypatch.setattr(Path, "rglob", denied)
-    with pytest.raises(InputFileError, match=f"--corpus {tmp_path}: cannot read /proc/1/cwd: "
-                                             "Permission denied"):
-        user_documents([str(tmp_path)])
-
-
 def test_resume_with_other_settings_is_refused(capsys: pytest.CaptureFixture[str],
                                                tmp_path: Path, targets: dict[str, str],
                                                corpus: Path) -> None:
@@ -383,109 +353,3 @@ def test_resume_with_other_settings_is_refused(capsys: pytest.CaptureFixture[str
                       "it trains a eagle head and this run asks for --method medusa")
     assert_user_error(run_cli(capsys, *base, "--method", "eagle", "--batch", "3"),
                       "it was trained with batch = 4 and this run asks for 3")
-
-
-# ----------------------------------------------------------------------------- parts
-
-
-@pytest.mark.parametrize("method", ["eagle", "eagle3"])
-def test_training_unroll_equals_the_drafters_forward(method: str) -> None:
-    """Step d at position t of the batched training forward is the head's output after
-    feeding real features up to t - d and then drafting d steps on its own outputs, as
-    ``EagleDrafter`` does with its KV cache (float64: equal to rounding)."""
-    config = llama_target().config
-    head = EagleHead(eagle_spec(method, config, HeadShape(attention_heads=4), 60),
-                     dtype=torch.float64)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for param in head.parameters():
-            noise = 0.3 * torch.randn(param.shape, generator=generator, dtype=torch.float64)
-            param.copy_(noise + (1.0 if param.dim() == 1 else 0.0))
-    width = 32 if method == "eagle" else 96
-    features = torch.randn((2, 10, width), generator=generator, dtype=torch.float64)
-    embeds = torch.randn((2, 10, 32), generator=generator, dtype=torch.float64)
-    outputs = eagle_unroll(head, features, embeds, 3)
-    for b in range(2):
-        for d in range(4):
-            for t in range(d, 10):
-                cache = HeadCache(head.spec, torch.float64, "cpu")
-                _, out = head(features[b, :t - d + 1], embeds[b, :t - d + 1], 0, cache, True)
-                out = out[-1:]
-                for j in range(1, d + 1):
-                    _, out = head(out, embeds[b, t - d + j:t - d + j + 1], t - d + j, cache,
-                                  False)
-                torch.testing.assert_close(outputs[d][b, t], out[0], rtol=1e-9, atol=1e-9)
-
-
-def test_default_head_sizes_fit_the_budget_for_the_bundled_model() -> None:
-    """Qwen2.5-Coder-1.5B's shape (no weights): every default head <= 40 MB as saved."""
-    config = Qwen2Config(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                         num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
-                         max_position_embeddings=32768)
-    sizes = {method: head_bytes(EagleHead(eagle_spec(method, config, HeadShape(), 4096),
-                                          device="meta"), 151936)
-             for method in ("eagle", "eagle3")}
-    sizes["medusa"] = head_bytes(MedusaHeads(1536, 151936, HeadShape().medusa_heads,
-                                             own_lm_heads=False, truncated_vocab=4096,
-                                             device="meta"), 151936)
-    assert all(size <= 40e6 for size in sizes.values()), sizes
-    assert sizes["eagle3"] > 35e6  # the budget is used, not wasted
-
-
-def test_default_corpus_and_vocabulary() -> None:
-    """The standard library's functions as requests and fenced answers, in a fixed order;
-    the vocabulary is the most frequent ids, ties by id."""
-    documents = [d for _, d in zip(range(12), default_documents(), strict=False)]
-    again = [d for _, d in zip(range(12), default_documents(), strict=False)]
-    assert len(documents) == 12 and documents == again
-    assert all(d.prompt.startswith("Write the Python ") and d.text.startswith("```python\n")
-               for d in documents)
-    ids, coverage = vocabulary([[5, 5, 5, 7, 7, 9], [1, 9]], vocab_size=12, size=3)
-    assert ids.tolist() == [5, 7, 9] and coverage == pytest.approx(7 / 8)
-
-
-@pytest.mark.parametrize("method", ["eagle", "eagle3"])
-def test_only_the_head_learns_and_its_start_is_seeded(method: str) -> None:
-    """Gradients reach the head's parameters and none of the target's (embedding table and
-    LM head rows included); the head's first weights depend on its seed alone."""
-    model = llama_target()
-    runner = ModelRunner(model)
-    target = FrozenTarget(runner)
-    vocab_ids = torch.arange(0, 97, 2)
-    heads = []
-    for global_seed in (1, 2):
-        torch.manual_seed(global_seed)
-        heads.append(new_head(method, target, HeadShape(), vocab_ids, seed=5))
-    assert all(torch.equal(a, b) for a, b in zip(heads[0].state_dict().values(),
-                                                 heads[1].state_dict().values(), strict=True))
-    ids = torch.randint(97, (24,), generator=torch.Generator().manual_seed(0))
-    runner.record_features(feature_layers(method, runner.num_layers))
-    labels = runner.forward(ids.tolist()).argmax(-1)
-    features = runner.features(0, 24).clone()  # out of inference mode, as read from disk
-    to_subset = torch.full((97,), IGNORE)
-    to_subset[vocab_ids] = torch.arange(len(vocab_ids))
-    lm_rows = target.lm_head_rows(vocab_ids) if method == "eagle" else None
-    loss, _ = eagle_loss(heads[0], features[None], ids[None], labels[None],
-                         target.embed(ids[None]), lm_rows, to_subset, unroll=2)
-    loss.backward()
-    assert all(p.grad is None for p in model.parameters())
-    assert all(p.grad is not None for p in heads[0].parameters())
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here")
-@pytest.mark.parametrize("method", METHODS)
-def test_training_runs_unchanged_on_a_gpu(capsys: pytest.CaptureFixture[str], tmp_path: Path,
-                                          targets: dict[str, str], corpus: Path,
-                                          method: str) -> None:
-    """Same command, the target on CUDA: features, batches, generators and the head all on
-    the target's device; the result resumes and measures like on the CPU."""
-    preset = tmp_path / "cuda.toml"
-    text = Path(targets["random"]).read_text("utf-8")
-    preset.write_text(text.replace('device = "cpu"', 'device = "cuda"'), encoding="utf-8")
-    report = train_cli(capsys, str(preset), method, tmp_path / "head", corpus, "--steps", "4",
-                       "--lr", "1e-2", "--eval-prompts", "1")
-    resumed = train_cli(capsys, str(preset), method, tmp_path / "head", corpus, "--steps", "6",
-                        "--lr", "1e-2", "--eval-prompts", "1", "--resume")
-    assert report["training"]["end_step"] == 4 and resumed["training"]["start_step"] == 4
-    assert resumed["acceptance"]["new_tokens"] == 16

@@ -1,0 +1,35 @@
+"""What the engine test modules share: their prompts, sampling settings and request builder,
+and plain greedy decoding, the reference that greedy speculation must reproduce token for
+token. The drafters they run come from conftest (``draft_drafter``, ``make_drafter``)."""
+
+from __future__ import annotations
+
+from conftest import collect, decode
+from transformers import PreTrainedModel
+
+from localspec.engine.engine import GenerationRequest, SpeculativeEngine
+from localspec.runtime.runner import ModelRunner
+from localspec.sampling import SamplingParams
+
+PROMPTS = {
+    "random-a": [5, 17, 33, 2, 80, 41, 9],
+    "random-b": [60, 3, 91, 44, 12, 12, 70, 8, 25, 38, 77],
+    # repeats itself, so prompt lookup has something to copy from the start
+    "repetitive": [10, 11, 12, 13, 14, 10, 11, 12, 13, 14, 10, 11, 12, 13, 14, 10, 11],
+}
+MAX_NEW = 40
+GREEDY = SamplingParams()
+HOT = SamplingParams(temperature=1.0)
+
+
+def request(prompt: list[int], k: int = 3, adaptive: bool = False, max_new_tokens: int = MAX_NEW,
+            sampling: SamplingParams = GREEDY, **kwargs: object) -> GenerationRequest:
+    return GenerationRequest(prompt_ids=list(prompt), max_new_tokens=max_new_tokens,
+                             sampling=sampling, num_speculative_tokens=k, adaptive=adaptive,
+                             **kwargs)
+
+
+def plain_tokens(target_model: PreTrainedModel, prompt: list[int], eos: set[int] | None = None,
+                 max_new_tokens: int = MAX_NEW) -> list[int]:
+    engine = SpeculativeEngine(ModelRunner(target_model), None, decode, eos or set())
+    return collect(engine, request(prompt, max_new_tokens=max_new_tokens))[0]
