@@ -59,15 +59,16 @@ def test_w8a8_linear_hands_onednn_few_row_counts(monkeypatch: pytest.MonkeyPatch
 
     monkeypatch.setattr(torch.ops.onednn, "qlinear_pointwise", recording)
     layer = W8A8Linear.from_float(torch.randn(24, 64, generator=torch.Generator().manual_seed(0)))
-    for n in range(1, 1200, 3):
+    counts: set[int] = set()
+    for n in range(1, 1200):
         seen.clear()
         assert layer(torch.randn(n, 64)).shape == (n, 24)
         if n <= MAX_SPECULATIVE_TOKENS + 1:
-            assert seen == [n], n
-    for n in range(1, 1200):
-        layer(torch.randn(n, 64))
-    counts = set(seen) | set(range(1, MAX_SPECULATIVE_TOKENS + 2))
-    assert len(counts) <= MAX_SPECULATIVE_TOKENS + 1 + 3, sorted(counts)
+            assert seen == [n], n  # a verify pass: no padding
+        assert n <= sum(seen) < n + 32, (n, seen)  # little padding
+        counts.update(seen)
+    # the verify widths, and a handful of piece sizes (8 with pieces of 256 padded to 32s)
+    assert len(counts) <= MAX_SPECULATIVE_TOKENS + 1 + 8, sorted(counts)
 
 
 @pytest.mark.parametrize("n", [MAX_SPECULATIVE_TOKENS + 2, 100, 256, 257, 700])
@@ -100,9 +101,9 @@ def test_app_memory_flat_over_50_answers_with_clear() -> None:
     """50 answers, a new conversation every 5: RSS levels off. Before the fix it grew by
     ~0.9 MB an answer to the end (oneDNN primitives for each new prompt length).
 
-    The margins, from four runs after the fix on a 2-core x86 (and one before it): from answer
-    5 (the end of the first conversation) to 50, 10.5-13.6 MB (before: 38.7); from 25 to 50,
-    3.2-4.7 MB (before: 21). What remains is no object: live Python objects (tracemalloc) and
+    The margins, from five runs after the fix on a 2-core x86 (and two before it): from answer
+    5 (the end of the first conversation) to 50, 10.0-13.6 MB (before: 38.7-40.1); from 25 to
+    50, 3.2-4.7 MB (before: 21-23). What remains is no object: live Python objects (tracemalloc) and
     live malloc blocks (heaptrack, 10 answers against 50) stay the same, so it is the
     allocators settling (7.5 MB with oneDNN's cache off, slowing down), plus oneDNN's first
     primitives for a verify width that adaptive k first picks later (~1.6 MB each, at most

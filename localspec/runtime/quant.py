@@ -40,7 +40,8 @@ from localspec.runtime.kernels import (
 )
 
 EXACT_ROWS = MAX_SPECULATIVE_TOKENS + 1  # the widest verify pass: fed to oneDNN unpadded
-ROW_PIECE = 256  # longer feeds go in pieces of this many rows (see ``row_pieces``)
+ROW_PIECE = 256  # longer feeds go in pieces of this many rows (see ``row_pieces``) ...
+ROW_STEP = 32  # ... the last one padded to a multiple of this many
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,16 +107,16 @@ def row_pieces(n: int) -> list[tuple[int, int, int]]:
     length never seen before: fed as one call, every answer left new primitives behind (1.4 MB
     an answer on SmolLM2's four layer shapes). So up to EXACT_ROWS rows (a verify pass, a
     one-token step) go as they are, and more go in pieces of ROW_PIECE whose last one is padded
-    to a power of two (1 to 256: a prompt's tail meets the few counts a verify pass may not
-    have met yet): a layer meets at most EXACT_ROWS + 3 row counts. Rows are independent
-    (per-row scales, exact int32 sums), so the padding changes no row's output."""
+    to a multiple of ROW_STEP (at most ROW_STEP - 1 rows of padding a feed): a layer meets at
+    most EXACT_ROWS + ROW_PIECE // ROW_STEP - 1 row counts. Rows are independent (per-row
+    scales, exact int32 sums), so the padding changes no row's output."""
     if n <= EXACT_ROWS:
         return [(0, n, n)]
     pieces = [(start, ROW_PIECE, ROW_PIECE) for start in range(0, n - ROW_PIECE + 1, ROW_PIECE)]
     start = len(pieces) * ROW_PIECE
     tail = n - start
     if tail:
-        pieces.append((start, tail, 1 << (tail - 1).bit_length()))
+        pieces.append((start, tail, -(-tail // ROW_STEP) * ROW_STEP))
     return pieces
 
 
