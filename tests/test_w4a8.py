@@ -255,7 +255,7 @@ def test_w4a8_falls_back_to_w8a8_with_a_reason(saved_model_dir: Path,
     def unavailable(_: Path) -> object:
         raise KernelUnavailable("this CPU lacks avx512_vnni")
 
-    monkeypatch.setattr(packed_store, "load_kernels", unavailable)
+    monkeypatch.setattr(packed_store, "serving_kernels", unavailable)
     kind, messages = _served_as(saved_model_dir, "requant-q4k")
     assert kind is W8A8Linear and any("lacks avx512_vnni" in m for m in messages)
 

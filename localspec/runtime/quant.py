@@ -8,7 +8,7 @@ which other rows share the call. A verify pass over k+1 tokens then computes, bi
 k+1 one-token steps compute, so speculation stays exactly lossless against the quantized model.
 fbgemm's dynamic quantization (``torch.ao``) uses one activation scale per *tensor* instead:
 its output for a token changes with the tokens beside it, and Qwen2.5's outlier activations
-crush everything else in the tensor onto a few levels (top-1 agreement 68%, see the README).
+crush everything else in the tensor onto a few levels (top-1 agreement with bf16: 68%).
 
 ``Q4KLinear`` reads a third of those bytes for matrices a GGUF file stores as Q4_K: its weights
 exactly as the file has them, times int8 activations with one scale per group of 32, in a
@@ -29,6 +29,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from localspec.config import MAX_SPECULATIVE_TOKENS
 from localspec.runtime.kernels.kquant_formats import (
     Q4K_PACKED,
     Q6K_PACKED,
@@ -37,6 +38,10 @@ from localspec.runtime.kernels.kquant_formats import (
     pack_q4k,
     pack_q6k,
 )
+
+EXACT_ROWS = MAX_SPECULATIVE_TOKENS + 1  # the widest verify pass: fed to oneDNN unpadded
+ROW_PIECE = 256  # longer feeds go in pieces of this many rows (see ``row_pieces``) ...
+ROW_STEP = 32  # ... the last one padded to a multiple of this many
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,11 +75,49 @@ class W8A8Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         scale = x.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-12).div_(127.0)
         q = torch.round(x / scale).add_(128.0).to(torch.uint8)
-        y = torch.ops.onednn.qlinear_pointwise(q, 1.0, 128, self.packed, self.weight_scale,
-                                               self.weight_zero, None, 1.0, 0, torch.float32,
-                                               "none", [], "")
+        pieces = row_pieces(q.shape[0])
+        if len(pieces) == 1 and pieces[0][1] == pieces[0][2]:
+            y = self._matmul(q)
+        else:  # a long feed: in pieces, the last one padded with zero rows (uint8 128)
+            y = torch.cat([self._matmul(_padded(q[start:start + rows], size))[:rows]
+                           for start, rows, size in pieces])
         y.mul_(scale)
         return y if self.bias is None else y.add_(self.bias)
+
+    def _matmul(self, q: torch.Tensor) -> torch.Tensor:
+        """oneDNN's int32 product of uint8 rows ``q`` [n, in] with the weight: [n, out]."""
+        return torch.ops.onednn.qlinear_pointwise(q, 1.0, 128, self.packed, self.weight_scale,
+                                                  self.weight_zero, None, 1.0, 0, torch.float32,
+                                                  "none", [], "")
+
+
+def _padded(q: torch.Tensor, size: int) -> torch.Tensor:
+    """uint8 activation rows ``q`` [n, in] followed by rows of zeros (128) up to ``size``."""
+    if q.shape[0] == size:
+        return q
+    return torch.cat([q, q.new_full((size - q.shape[0], q.shape[1]), 128)])
+
+
+def row_pieces(n: int) -> list[tuple[int, int, int]]:
+    """How ``W8A8Linear`` hands ``n`` rows to oneDNN: (start, rows, size) per call, ``size -
+    rows`` of them padding.
+
+    oneDNN compiles a primitive for each input shape it meets and keeps up to 1,024 of them
+    (~0.35 MB each for a 576 -> 3072 layer). A chat answer reads the whole conversation, a
+    length never seen before: fed as one call, every answer left new primitives behind (1.4 MB
+    an answer on SmolLM2's four layer shapes). So up to EXACT_ROWS rows (a verify pass, a
+    one-token step) go as they are, and more go in pieces of ROW_PIECE whose last one is padded
+    to a multiple of ROW_STEP (at most ROW_STEP - 1 rows of padding a feed): a layer meets at
+    most EXACT_ROWS + ROW_PIECE // ROW_STEP - 1 row counts. Rows are independent (per-row
+    scales, exact int32 sums), so the padding changes no row's output."""
+    if n <= EXACT_ROWS:
+        return [(0, n, n)]
+    pieces = [(start, ROW_PIECE, ROW_PIECE) for start in range(0, n - ROW_PIECE + 1, ROW_PIECE)]
+    start = len(pieces) * ROW_PIECE
+    tail = n - start
+    if tail:
+        pieces.append((start, tail, -(-tail // ROW_STEP) * ROW_STEP))
+    return pieces
 
 
 class Q4KLinear:

@@ -1,0 +1,108 @@
+"""RSS measures for ``test_memory.py``, each in a fresh process (run by the tests, not pytest).
+
+Why a process of its own: what held the memory is oneDNN's primitive cache, which is process
+wide and bounded (1,024 primitives): in a pytest process that has already run other tests it
+may be full, and then new primitives only replace old ones, hiding the growth a user's app
+shows. RSS is read after ``gc.collect()`` and glibc's ``malloc_trim(0)``: freed memory that
+malloc keeps for reuse (as large as the largest transient, a long prompt's activations) is
+returned, so what remains is what something holds.
+
+Usage: ``python tests/memory_probe.py linear`` or ``... app ANSWERS CLEAR_EVERY MAX_NEW_TOKENS``;
+prints one JSON object (exit status 3 without glibc's ``malloc_trim``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import gc
+import json
+import sys
+from collections import deque
+from collections.abc import Callable
+
+import psutil
+import torch
+
+from localspec.models.hardware import detect_hardware
+from localspec.runtime.quant import W8A8Linear
+from localspec.ui.app import ChatApp, Settings
+from localspec.ui.host import ModelHost
+
+MB = 2**20
+NO_TRIM = 3  # exit status: this libc has no malloc_trim
+SMOL = "cpu-smollm2-ngram"
+# Topics of different lengths, so that every answer's prompt has a length of its own (as in a
+# real conversation; each new length was new oneDNN primitives).
+TOPICS = ("rain", "the moon", "a red bicycle", "bread", "rivers and the sea", "owls", "snow",
+          "the first computers", "tea", "a lighthouse on a rocky coast", "bees", "clocks",
+          "mountains in winter", "paper", "a small garden with tomatoes", "trains", "salt",
+          "the colour blue", "maps", "an old wooden bridge over a stream", "wind", "music",
+          "the number seven", "glass", "a cat that sleeps all day", "bridges", "ice", "books",
+          "volcanoes", "a kite on a windy afternoon", "sand", "honey", "stars at night", "ink",
+          "a library", "frogs", "the wheel", "copper", "a market in the morning", "clouds",
+          "soap", "the alphabet", "a boat", "fire", "shoes", "an orchard of apple trees",
+          "whales", "chess", "the sun", "a quiet street after the rain")
+
+
+def settled_rss(trim: Callable[[int], int]) -> float:
+    """The process's RSS in MB once Python's garbage and malloc's free memory are returned."""
+    gc.collect()
+    trim(0)
+    return psutil.Process().memory_info().rss / MB
+
+
+def linear(trim: Callable[[int], int]) -> dict[str, float]:
+    """A 576 -> 3072 int8 layer (SmolLM2's gate/up) fed 100 row counts never seen before (100
+    prompt lengths), after the counts a long feed uses are warm: RSS before and after."""
+    layer = W8A8Linear.from_float(torch.randn(3072, 576,
+                                              generator=torch.Generator().manual_seed(1)))
+    for n in (300, 301, 555, 777):
+        layer(torch.randn(n, 576))
+    before = settled_rss(trim)
+    for n in range(1301, 2301, 10):
+        layer(torch.randn(n, 576))
+    return {"before": before, "after": settled_rss(trim)}
+
+
+def app(trim: Callable[[int], int], count: int, clear_every: int,
+        max_new_tokens: int) -> dict[str, list]:
+    """The app's chat handler on SmolLM2: ``count`` questions, Clear every ``clear_every``;
+    after each answer the settled RSS, the KV cache's allocation (MB) and context length."""
+    host = ModelHost(audit=False)
+    if not host.load(SMOL):
+        raise SystemExit(f"could not load {SMOL}: {host.status().error}")
+    chat = ChatApp(host, detect_hardware(), SMOL, min_update_interval=0.0, stop_wait_s=0.0)
+    runner = host.pipeline.target_runner()
+    settings = Settings(temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=max_new_tokens,
+                        k=8, seed=0)
+    history: list[dict] = []
+    points: dict[str, list] = {"rss": [], "kv": [], "context": [], "turns": [], "notices": []}
+    for i in range(count):
+        if i and i % clear_every == 0:
+            history = chat.clear().history
+        # the last view of the answer (the handler streams many; Gradio keeps the last)
+        (last,) = deque(chat.chat(f"Tell me about {TOPICS[i % len(TOPICS)]}.", history,
+                                  settings), maxlen=1)
+        history = last.history
+        cache = runner.kv_cache
+        points["rss"].append(settled_rss(trim))
+        points["kv"].append((cache.keys.nbytes + cache.values.nbytes) / MB)
+        points["context"].append(runner.length)
+        points["turns"].append(len(history))
+        points["notices"].append(last.notice)
+    return points
+
+
+def main(argv: list[str]) -> int:
+    path = ctypes.util.find_library("c")
+    trim = getattr(ctypes.CDLL(path), "malloc_trim", None) if path else None
+    if trim is None:
+        return NO_TRIM
+    result = linear(trim) if argv[0] == "linear" else app(trim, *map(int, argv[1:4]))
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
