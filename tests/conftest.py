@@ -1,4 +1,5 @@
-"""Shared fixtures for the unit tests: tiny random Qwen2 models, runners and a toy decoder.
+"""Shared fixtures for the unit tests: tiny random Qwen2 models, runners, a toy decoder, tiny
+presets, and the app over them.
 
 No real checkpoint is ever loaded here. The random models are scaled so that their logits are
 peaked (stable greedy argmaxes, informative sampling) and kept tiny so the whole suite runs in
@@ -7,8 +8,10 @@ seconds on two CPU cores.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -22,6 +25,9 @@ from localspec.drafters.lookup_first import LookupFirstDrafter
 from localspec.drafters.ngram import NgramDrafter
 from localspec.engine.engine import GenerationRequest, SpeculativeEngine, StepEvent
 from localspec.runtime.runner import ModelRunner
+
+if TYPE_CHECKING:
+    from localspec.ui.app import ChatApp
 
 VOCAB = 97
 PADDED_VOCAB = 101
@@ -302,3 +308,53 @@ def assert_user_error(result: tuple[int, str, str], *needles: str) -> None:
     assert last.startswith("localspec: error: ") and err.count("localspec:") == 1, err
     for needle in needles:
         assert needle in err, (needle, err)
+
+
+# ----------------------------------------------------------------------------- the app
+
+
+@pytest.fixture
+def expects_bug() -> None:
+    """Marks a test that injects a bug: an ERROR with its traceback is expected in the log."""
+
+
+@pytest.fixture
+def no_errors_logged(caplog: pytest.LogCaptureFixture,
+                     request: pytest.FixtureRequest) -> Iterator[None]:
+    """A traceback in the server log is a failure, unless the test expects a bug (the app's test
+    modules use it on every test)."""
+    yield
+    if "expects_bug" not in request.fixturenames:
+        errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert errors == [], [r.getMessage() for r in errors]
+
+
+@pytest.fixture(scope="session")
+def tiny_presets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Preset files over a tiny target: n-gram, plain, and a random (always wrong) draft."""
+    root = tmp_path_factory.mktemp("ui-tiny")
+    tokenizer = train_tokenizer(TOKENIZER_TEXTS)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    for name, seed in (("target", 0), ("draft", 1)):
+        make_tiny_model(seed=seed, vocab_size=300).save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+    return {key: write_preset(root, root / "target", draft, method, k=4, max_new_tokens=12,
+                              adaptive=False)
+            for key, method, draft in (("ngram", "ngram", None), ("plain", "none", None),
+                                       ("draft", "draft_model", root / "draft"))}
+
+
+@pytest.fixture
+def tiny(tiny_presets: dict[str, str]) -> ChatApp:
+    """The app with the tiny n-gram preset loaded, a fresh host for each test (imported here,
+    not at the top: the other tests need no Gradio)."""
+    from localspec.models.hardware import detect_hardware
+    from localspec.ui.app import ChatApp
+    from localspec.ui.host import ModelHost
+
+    host = ModelHost(warm_up=False)
+    assert host.load(tiny_presets["ngram"]), host.status().error
+    # The tests drive the answers' generators from the calling thread, so a Stop there could
+    # only time out waiting for them to end: it does not wait.
+    return ChatApp(host, detect_hardware(), tiny_presets["ngram"], min_update_interval=0.0,
+                   stop_wait_s=0.0)

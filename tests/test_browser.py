@@ -281,7 +281,7 @@ def test_app_in_a_real_browser(tmp_path: Path) -> None:
 def test_assistant_markup_is_shown_not_loaded(tmp_path: Path) -> None:
     """The app's own layout and handlers in-process, the model's answer scripted (so the
     assistant's text is known): it shows verbatim, loads nothing, and copies exactly."""
-    from test_app import scripted_stream
+    from app_helpers import scripted_stream
 
     from localspec.models.hardware import detect_hardware
     from localspec.ui.app import APP_CSS, build_app
