@@ -178,6 +178,7 @@ def test_a_forced_variant(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     with pytest.raises(KernelUnavailable, match="not a kernel variant"):
         load_kernels(tmp_path / "b")
     monkeypatch.setenv(KERNELS_ENV, "avx2")
+    real_features = library.cpu_features
     monkeypatch.setattr(library, "cpu_features", lambda: frozenset({"sse4_2"}))
     with pytest.raises(KernelUnavailable, match="this CPU lacks"):
         load_kernels(tmp_path / "c")
@@ -258,6 +259,7 @@ def test_an_x86_cpu_without_simd_is_served_the_int8_path(
     """On x86 without AVX2 the portable build would emulate every FMA (slower than int8):
     ``serving_kernels`` refuses it, so a w4a8 preset falls back to w8a8; on ARM it serves, and
     LOCALSPEC_KERNELS=portable serves it anywhere (the same bits, for tests and comparisons)."""
+    real_features = library.cpu_features
     monkeypatch.setattr(library, "cpu_features", lambda: frozenset({"sse4_2"}))
     with pytest.raises(KernelUnavailable, match="portable kernels would be"):
         library.serving_kernels(tmp_path / "kernels", machine="x86_64")
@@ -266,7 +268,9 @@ def test_an_x86_cpu_without_simd_is_served_the_int8_path(
     monkeypatch.setenv(KERNELS_ENV, "portable")
     assert library.built_variant(
         library.serving_kernels(tmp_path / "kernels", machine="x86_64")) == "portable"
-    monkeypatch.undo()  # this CPU, as it is: a SIMD variant it runs serves on x86 too
+    # This CPU, as it is: a SIMD variant it runs serves on x86 too.
+    monkeypatch.delenv(KERNELS_ENV)
+    monkeypatch.setattr(library, "cpu_features", real_features)
     best = pick_variant(library.cpu_features())
     if best != "portable":
         assert library.built_variant(
