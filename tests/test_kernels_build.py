@@ -178,7 +178,6 @@ def test_a_forced_variant(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     with pytest.raises(KernelUnavailable, match="not a kernel variant"):
         load_kernels(tmp_path / "b")
     monkeypatch.setenv(KERNELS_ENV, "avx2")
-    real_features = library.cpu_features
     monkeypatch.setattr(library, "cpu_features", lambda: frozenset({"sse4_2"}))
     with pytest.raises(KernelUnavailable, match="this CPU lacks"):
         load_kernels(tmp_path / "c")
