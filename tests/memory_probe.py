@@ -24,10 +24,10 @@ from collections.abc import Callable
 import psutil
 import torch
 
+from localspec.host import ModelHost
 from localspec.models.hardware import detect_hardware
 from localspec.runtime.quant import W8A8Linear
 from localspec.ui.app import ChatApp, Settings
-from localspec.ui.host import ModelHost
 
 MB = 2**20
 NO_TRIM = 3  # exit status: this libc has no malloc_trim

@@ -283,9 +283,9 @@ def test_assistant_markup_is_shown_not_loaded(tmp_path: Path) -> None:
     assistant's text is known): it shows verbatim, loads nothing, and copies exactly."""
     from app_helpers import scripted_stream
 
+    from localspec.host import ModelHost
     from localspec.models.hardware import detect_hardware
     from localspec.ui.app import APP_CSS, build_app
-    from localspec.ui.host import ModelHost
 
     with leak_server() as (leak_port, leaked):
         text = evil_text(leak_port)

@@ -28,8 +28,9 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"models", "drafters"}),  # loading and caches; each drafter
     frozenset({"engine"}),  # the draft/verify loop over a drafter
     frozenset({"pipeline"}),  # a preset's models and engines
-    frozenset({"training"}),  # heads trained over a pipeline
-    frozenset({"ui", "api", "cli"}),  # the edges a user touches
+    frozenset({"training", "host"}),  # heads trained over a pipeline; the one served
+    frozenset({"api"}),  # the OpenAI-compatible routes over the host
+    frozenset({"ui", "cli"}),  # the edges a user touches (the app and `serve` mount the API)
     frozenset({"__main__"}),
 )
 

@@ -1,5 +1,5 @@
 """Command line: ``localspec generate | bench | verify | quality | presets | export-vllm |
-gpucheck``.
+gpucheck | serve``.
 
 Thin: parse flags, validate them against the preset (no model needed), load a preset into a
 Pipeline, call the engine, benchmark or checker, print. Every flag, method and prompt is checked
@@ -32,7 +32,7 @@ from pathlib import Path
 from transformers.utils import logging as transformers_logging
 
 from localspec.cli.loading import load_pipeline
-from localspec.cli.options import add_gpucheck, add_train_drafter, count
+from localspec.cli.options import add_gpucheck, add_serve, add_train_drafter, count
 from localspec.config import (
     DEFAULT_PRESET,
     HARDWARE_LABELS,
@@ -165,6 +165,12 @@ def _cmd_export_vllm(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from localspec.cli.serve import run_serve
+
+    return run_serve(args)
+
+
 def _cmd_train_drafter(args: argparse.Namespace) -> int:
     from localspec.cli.train_drafter import run_train_drafter
 
@@ -238,6 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.set_defaults(func=_cmd_export_vllm)
     add_gpucheck(sub, _cmd_gpucheck)
     add_train_drafter(sub, _cmd_train_drafter)
+    add_serve(sub, _cmd_serve)
     return parser
 
 
