@@ -197,6 +197,7 @@ def test_app_in_a_real_browser(tmp_path: Path) -> None:
         # The page is up at once and says what is loading or active.
         page.wait_for_selector("#ls-status .ls-status", timeout=60_000)
         page.wait_for_selector("#ls-status:has-text('Active preset')", timeout=300_000)
+        assert f"{url}v1" in page.inner_text("#ls-api")  # where the API of this server is
 
         # Shift+Enter starts a new line and does not send; Enter sends.
         text = evil_text(leak_port)

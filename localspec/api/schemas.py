@@ -13,7 +13,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from localspec.config import API_MAX_STOP, API_MAX_TEMPERATURE, MAX_SEED, NewTokens, TopK, TopP
 
@@ -106,6 +113,18 @@ class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")  # name, refusal, annotations: no effect here
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, value: object) -> object:
+        """A part that is not text (an image, audio) said plainly, not as a union's error."""
+        if isinstance(value, list):
+            for part in value:
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                if kind != "text":
+                    raise ValueError(f"only text parts are supported, got a part of type "
+                                     f"{kind!r}")
+        return value
 
     def text(self) -> str:
         if isinstance(self.content, list):

@@ -36,17 +36,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from starlette.routing import Mount
+
+    from localspec.api.server import api_key, create_api
     from localspec.host import ModelHost
     from localspec.models.hardware import detect_hardware
     from localspec.ui.app import APP_CSS, build_app
 
     host = ModelHost()
     host.load_async(args.preset)
-    demo = build_app(host, detect_hardware(), args.preset)
+    key = api_key(args.api_key)
+    shown = f"[{args.host}]" if ":" in args.host else args.host
+    demo = build_app(host, detect_hardware(), args.preset,
+                     api_url=f"http://{shown}:{args.port}/v1", api_key_needed=key is not None)
     demo.queue()
+    # The API is a route of the app's own server: the page and API clients share the models
+    # and the one queue.
     demo.launch(server_name=args.host, server_port=args.port, share=args.share,
                 inbrowser=not args.no_browser, css=APP_CSS, ssr_mode=False,
-                footer_links=["settings"])
+                footer_links=["settings"],
+                app_kwargs={"routes": [Mount("/v1", app=create_api(host, key))]})
 
 
 if __name__ == "__main__":
