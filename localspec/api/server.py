@@ -20,6 +20,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.routing import Mount, Route
 
@@ -137,7 +138,7 @@ def create_api(host: ModelHost, api_key: str | None = None,
 
 async def _answer(service: ApiService, request: Request, body: ChatRequest | CompletionRequest,
                   kind: str) -> Response:
-    job = service.prepare(body, kind)
+    job = await run_in_threadpool(service.prepare, body, kind)  # tokenizing a long prompt
     generation = service.start(job)
     if body.stream:
         return StreamingResponse(_stream(generation, kind, body.include_usage()),
