@@ -23,7 +23,7 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"registry"}),
     frozenset({"config"}),
     frozenset({"files"}),
-    frozenset({"presets"}),
+    frozenset({"presets", "chats"}),  # preset files; the saved conversations (SQLite)
     frozenset({"runtime", "sampling"}),  # forwards, kernels; pure sampling functions
     frozenset({"models", "drafters"}),  # loading and caches; each drafter
     frozenset({"engine"}),  # the draft/verify loop over a drafter
