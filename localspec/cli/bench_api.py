@@ -102,14 +102,14 @@ def api_runner(pipe: Pipeline, preset_key: str) -> Iterator[ApiRun]:
                                                               max_new)
 
 
-def _api_failure(status: int, body: str) -> RuntimeError:
-    """The API refusing a request every check already passed is a bug: its message, as a
+def _api_failure(what: str, body: str) -> RuntimeError:
+    """The API failing a request every check already passed is a bug: its message, as a
     RuntimeError (the command line logs it as one)."""
     try:
         message = json.loads(body)["error"]["message"]
     except (ValueError, KeyError, TypeError):
         message = body[:500]
-    return RuntimeError(f"the API answered {status}: {message}")
+    return RuntimeError(f"{what}: {message}")
 
 
 def run_via_api(client: httpx.Client, method: str, prompt_ids: list[int],
@@ -124,7 +124,8 @@ def run_via_api(client: httpx.Client, method: str, prompt_ids: list[int],
     start = time.perf_counter()
     with client.stream("POST", "/completions", json=body) as response:
         if response.status_code != 200:
-            raise _api_failure(response.status_code, response.read().decode(errors="replace"))
+            raise _api_failure(f"the API answered {response.status_code}",
+                               response.read().decode(errors="replace"))
         for line in response.iter_lines():
             if not line.startswith("data: "):
                 continue
@@ -134,7 +135,7 @@ def run_via_api(client: httpx.Client, method: str, prompt_ids: list[int],
                 break
             event = json.loads(data)
             if "error" in event:
-                raise _api_failure(response.status_code, data)
+                raise _api_failure("the API's stream stopped with an error", data)
             pieces.extend(choice.get("text") or "" for choice in event.get("choices", ()))
             usage = event.get("usage") or usage
     if wall is None or usage is None:
