@@ -118,6 +118,16 @@ MAX_USER_FILE_BYTES = 64 * 2**20
 MAX_CORPUS_BYTES = 4 * MAX_USER_FILE_BYTES
 # The span of the app's sliders: the useful range, inside the limits above.
 SLIDER_MAX = {"temperature": 2.0, "top_k": 200, "max_new_tokens": 8192}
+# The OpenAI-compatible API (``localspec serve``, and /v1 of the app).
+API_PORT = 8000
+# Requests the API holds at once, waiting or generating (answers come one at a time, the app's
+# and the API's alike): one more is answered 429 with Retry-After, not left to hang.
+API_MAX_QUEUED = 16
+API_MAX_BODY_BYTES = 8 * 2**20  # a request body past this is answered 413
+API_MAX_STOP = 4  # stop strings per request, as OpenAI allows
+API_MAX_TEMPERATURE = 2.0  # OpenAI's range
+API_RETRY_AFTER_S = 5  # what a 429 or a 503 (models loading) asks a client to wait
+API_KEY_ENV = "LOCALSPEC_API_KEY"  # read when --api-key is not given
 
 SpecTokens = Annotated[int, Field(ge=1, le=MAX_SPECULATIVE_TOKENS)]
 LookupN = Annotated[int, Field(ge=1, le=MAX_LOOKUP_NGRAM)]

@@ -348,9 +348,9 @@ def tiny_presets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 def tiny(tiny_presets: dict[str, str]) -> ChatApp:
     """The app with the tiny n-gram preset loaded, a fresh host for each test (imported here,
     not at the top: the other tests need no Gradio)."""
+    from localspec.host import ModelHost
     from localspec.models.hardware import detect_hardware
     from localspec.ui.app import ChatApp
-    from localspec.ui.host import ModelHost
 
     host = ModelHost(warm_up=False)
     assert host.load(tiny_presets["ngram"]), host.status().error

@@ -7,8 +7,9 @@ shows. RSS is read after ``gc.collect()`` and glibc's ``malloc_trim(0)``: freed 
 malloc keeps for reuse (as large as the largest transient, a long prompt's activations) is
 returned, so what remains is what something holds.
 
-Usage: ``python tests/memory_probe.py linear`` or ``... app ANSWERS CLEAR_EVERY MAX_NEW_TOKENS``;
-prints one JSON object (exit status 3 without glibc's ``malloc_trim``).
+Usage: ``python tests/memory_probe.py linear``, ``... app ANSWERS CLEAR_EVERY MAX_NEW_TOKENS`` or
+``... api REQUESTS MAX_NEW_TOKENS``; prints one JSON object (exit status 3 without glibc's
+``malloc_trim``).
 """
 
 from __future__ import annotations
@@ -18,16 +19,20 @@ import ctypes.util
 import gc
 import json
 import sys
+import threading
+import time
 from collections import deque
 from collections.abc import Callable
 
+import httpx
 import psutil
 import torch
 
+from localspec.api.local_server import serve_in_thread
+from localspec.host import ModelHost
 from localspec.models.hardware import detect_hardware
 from localspec.runtime.quant import W8A8Linear
 from localspec.ui.app import ChatApp, Settings
-from localspec.ui.host import ModelHost
 
 MB = 2**20
 NO_TRIM = 3  # exit status: this libc has no malloc_trim
@@ -94,12 +99,65 @@ def app(trim: Callable[[int], int], count: int, clear_every: int,
     return points
 
 
+def _chat(client: httpx.Client, topic: str, max_new_tokens: int, stream: bool) -> int:
+    """One greedy chat request over HTTP, read to its end; the answer's token count."""
+    body: dict[str, object] = {"messages": [{"role": "user", "content": f"Tell me about {topic}."}],
+                               "max_tokens": max_new_tokens, "temperature": 0}
+    if not stream:
+        response = client.post("/chat/completions", json=body)
+        response.raise_for_status()
+        return int(response.json()["usage"]["completion_tokens"])
+    body.update(stream=True, stream_options={"include_usage": True})
+    tokens = None
+    with client.stream("POST", "/chat/completions", json=body) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                tokens = json.loads(line.removeprefix("data: ")).get("usage", tokens)
+    if tokens is None:
+        raise SystemExit("a streamed answer ended without its usage")
+    return int(tokens["completion_tokens"])
+
+
+def _workers_ended(timeout: float = 30.0) -> None:
+    """Wait until the API's worker threads (``api-<request id>``) have ended: a request's
+    worker finishes just after its client has the last byte."""
+    deadline = time.monotonic() + timeout
+    while any(t.name.startswith(("api-chatcmpl-", "api-cmpl-")) for t in threading.enumerate()):
+        if time.monotonic() > deadline:
+            raise SystemExit("an API worker thread did not end")
+        time.sleep(0.01)
+
+
+def api(trim: Callable[[int], int], count: int, max_new_tokens: int) -> dict[str, list]:
+    """SmolLM2 served by the API (uvicorn in a thread of this process, on a loopback port):
+    ``count`` chat requests over real HTTP, every other one streamed, each on a topic of its
+    own; after each answer (and its worker thread's end) the settled RSS and its token count."""
+    host = ModelHost(audit=False)
+    if not host.load(SMOL):
+        raise SystemExit(f"could not load {SMOL}: {host.status().error}")
+    points: dict[str, list] = {"rss": [], "tokens": []}
+    with serve_in_thread(host) as url, httpx.Client(base_url=url, timeout=600,
+                                                   trust_env=False) as client:
+        for i in range(count):
+            points["tokens"].append(_chat(client, TOPICS[i % len(TOPICS)], max_new_tokens,
+                                          stream=i % 2 == 1))
+            _workers_ended()
+            points["rss"].append(settled_rss(trim))
+    return points
+
+
 def main(argv: list[str]) -> int:
     path = ctypes.util.find_library("c")
     trim = getattr(ctypes.CDLL(path), "malloc_trim", None) if path else None
     if trim is None:
         return NO_TRIM
-    result = linear(trim) if argv[0] == "linear" else app(trim, *map(int, argv[1:4]))
+    if argv[0] == "linear":
+        result = linear(trim)
+    elif argv[0] == "api":
+        result = api(trim, *map(int, argv[1:3]))
+    else:
+        result = app(trim, *map(int, argv[1:4]))
     print(json.dumps(result))
     return 0
 

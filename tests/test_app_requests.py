@@ -22,9 +22,9 @@ from localspec.config import (
     MAX_TOP_K,
     SLIDER_MAX,
 )
+from localspec.host import ModelHost
 from localspec.models.hardware import detect_hardware
 from localspec.ui.app import CHAT_OUTPUTS, RACE_OUTPUTS, ChatApp
-from localspec.ui.host import ModelHost
 from localspec.ui.layout import SLIDERS, build, setting_range
 
 pytestmark = pytest.mark.usefixtures("no_errors_logged")
@@ -171,7 +171,7 @@ def test_no_model_loaded_says_so_and_keeps_the_message() -> None:
 def test_background_cache_audit_reports_damage(monkeypatch: pytest.MonkeyPatch) -> None:
     """A cached model that fails the full check after loading is named in the status line;
     one that passes leaves the status clean."""
-    import localspec.ui.host as host_module
+    import localspec.host as host_module
 
     target, draft = (type("Loaded", (), {"name": n})() for n in ("the-target", "the-draft"))
     preset = type("Preset", (), {"name": "tiny"})()

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from app_helpers import HISTORY, final, is_skip, settings
 
+from localspec.host import ModelHost
 from localspec.models.hardware import detect_hardware
 from localspec.ui.app import CHAT_OUTPUTS, RACE_OUTPUTS, SWITCH_OUTPUTS, ChatApp
-from localspec.ui.host import ModelHost
 
 pytestmark = pytest.mark.usefixtures("no_errors_logged")
 

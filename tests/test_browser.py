@@ -197,6 +197,7 @@ def test_app_in_a_real_browser(tmp_path: Path) -> None:
         # The page is up at once and says what is loading or active.
         page.wait_for_selector("#ls-status .ls-status", timeout=60_000)
         page.wait_for_selector("#ls-status:has-text('Active preset')", timeout=300_000)
+        assert f"{url}v1" in page.inner_text("#ls-api")  # where the API of this server is
 
         # Shift+Enter starts a new line and does not send; Enter sends.
         text = evil_text(leak_port)
@@ -283,9 +284,9 @@ def test_assistant_markup_is_shown_not_loaded(tmp_path: Path) -> None:
     assistant's text is known): it shows verbatim, loads nothing, and copies exactly."""
     from app_helpers import scripted_stream
 
+    from localspec.host import ModelHost
     from localspec.models.hardware import detect_hardware
     from localspec.ui.app import APP_CSS, build_app
-    from localspec.ui.host import ModelHost
 
     with leak_server() as (leak_port, leaked):
         text = evil_text(leak_port)

@@ -5,7 +5,7 @@ every input shape it meets and keeps up to 1,024 of them (~0.35 MB each here). A
 re-reads the whole conversation, a row count never seen before: four new primitives per answer
 on SmolLM2 (one per layer shape), 1.4 MB that no ``malloc_trim`` gives back, no levelling off
 before ~360 MB. Within a conversation only the KV cache should grow (with the context, bounded
-by the model's); across conversations nothing should.
+by the model's); across conversations nothing should, nor across the API's requests (issue 20).
 
 The RSS measures run in a fresh process each (``memory_probe.py`` says why, and how RSS is
 read); without glibc's ``malloc_trim`` they are skipped, since freed memory that malloc keeps
@@ -130,3 +130,24 @@ def test_app_memory_within_a_conversation_is_the_kv_cache() -> None:
     curve = ", ".join(f"{mb:.0f} (kv {k:.0f}, ctx {c})" for mb, k, c in zip(rss, kv, context,
                                                                              strict=True))
     assert rss[-1] - rss[0] < kv[-1] - kv[0] + 8, f"RSS by answer (MB): {curve}"
+
+
+@pytest.mark.real_model
+def test_api_memory_flat_over_50_requests() -> None:
+    """SmolLM2 served by the API, 50 chat requests over real HTTP (every other one streamed),
+    each on a topic of its own and so a prompt length of its own: RSS levels off. Each request
+    has a worker thread and a job of its own; none may stay behind.
+
+    Measured on a 2-core x86 machine (three runs): the settled RSS climbs in ever rarer steps,
+    ~712 MB after the first answer, ~733 after the tenth, flat at 741-744 over the last dozen;
+    from request 5 to 50, 16.5-19.3 MB; from 25 to 50, 5.5-6.1. Live Python objects stay the
+    same (tracemalloc: 0.08 MB more from request 10 to 50), so what grows is native: the
+    allocators settling and oneDNN's bounded cache, as for the app (above). The margins are the
+    app test's: a leak of that old size (~0.9 MB a request) fails both, and so did an API made
+    to keep 0.5 MB a request (a job holding its events, say): 40.4 and 19.0 MB."""
+    points = probe("api", 50, 24)
+    assert len(points["tokens"]) == 50 and min(points["tokens"]) > 0
+    rss = points["rss"]
+    curve = ", ".join(f"{mb:.0f}" for mb in rss)
+    assert rss[49] - rss[4] < 28, f"RSS by request (MB): {curve}"
+    assert rss[49] - rss[24] < 15, f"RSS by request (MB): {curve}"

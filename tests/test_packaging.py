@@ -23,13 +23,14 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"registry"}),
     frozenset({"config"}),
     frozenset({"files"}),
-    frozenset({"presets"}),
+    frozenset({"presets", "chats"}),  # preset files; the saved conversations (SQLite)
     frozenset({"runtime", "sampling"}),  # forwards, kernels; pure sampling functions
     frozenset({"models", "drafters"}),  # loading and caches; each drafter
     frozenset({"engine"}),  # the draft/verify loop over a drafter
     frozenset({"pipeline"}),  # a preset's models and engines
-    frozenset({"training"}),  # heads trained over a pipeline
-    frozenset({"ui", "api", "cli"}),  # the edges a user touches
+    frozenset({"training", "host"}),  # heads trained over a pipeline; the one served
+    frozenset({"api"}),  # the OpenAI-compatible routes over the host
+    frozenset({"ui", "cli"}),  # the edges a user touches (the app and `serve` mount the API)
     frozenset({"__main__"}),
 )
 

@@ -15,18 +15,15 @@ from conftest import TOKENIZER_TEXTS, train_tokenizer
 
 from localspec.config import parse_preset
 from localspec.engine.engine import StepEvent
+from localspec.engine.spans import KINDS, TokenSpan, TokenTexts, event_spans
 from localspec.errors import ModelLoadError
 from localspec.models.hardware import PresetSummary
 from localspec.ui.chat_view import chat_html, code_segments, notice_html, text_html
 from localspec.ui.preset_view import preset_info_html, presets_html
 from localspec.ui.render import (
-    KINDS,
     LiveStats,
     RaceSide,
-    TokenSpan,
-    TokenTexts,
     acceptance_chart_html,
-    event_spans,
     legend_html,
     race_html,
     spans_html,

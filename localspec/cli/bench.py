@@ -10,7 +10,9 @@ path, side by side in the same run. Greedy only: that is where "identical to non
 (an hf-* row on the bf16 target is another model's output). Each method runs once on each prompt
 before any runs twice, so drift in machine speed (heat, other processes) spreads over all
 methods instead of favouring one. Every method, setting and prompt is checked before the first
-run (``check_methods``, ``encode_prompts``): a benchmark never fails halfway.
+run (``check_methods``, ``encode_prompts``): a benchmark never fails halfway. With ``--api``
+(``bench_api``) each of our methods' runs is repeated at once through the OpenAI-compatible
+API on the same loaded models: the API's overhead, measured in the same run.
 """
 
 from __future__ import annotations
@@ -18,10 +20,18 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
 
+from localspec.cli.bench_api import (
+    ApiRun,
+    check_api_methods,
+    format_api,
+    run_alone,
+    summarise_api,
+)
 from localspec.cli.prompts import encode_prompts, load_prompts
 from localspec.config import CPU_QUANTIZATIONS, Preset, unquantized_target
 from localspec.drafters.simulated import SimulatedDrafter
@@ -175,9 +185,9 @@ def _run_ours(pipe: Pipeline, method: str, prompt_ids: list[int], max_new: int,
                                    len(prompt_ids), acceptance)
         result = pipe.run(request, engine=pipe.engine_with(drafter))
     s = result.stats
-    return {"token_ids": result.token_ids, "tokens_per_second": s.tokens_per_second,
-            "wall_time_s": s.wall_time, "acceptance_rate": s.acceptance_rate,
-            "mean_accepted_length": s.mean_accepted_length,
+    return {"token_ids": result.token_ids, "text": result.text,
+            "tokens_per_second": s.tokens_per_second, "wall_time_s": s.wall_time,
+            "acceptance_rate": s.acceptance_rate, "mean_accepted_length": s.mean_accepted_length,
             "target_forward_passes": s.target_forward_passes}
 
 
@@ -188,6 +198,10 @@ def _run_one(pipe: Pipeline, hf_pipe: Pipeline | None, method: str, prompt_ids: 
     return _run_ours(pipe, method, prompt_ids, max_new, reference)
 
 
+def _now(work: Callable[[], Any]) -> Any:
+    return work()
+
+
 def run_bench(
     pipe: Pipeline,
     prompts: list[dict[str, Any]],
@@ -196,28 +210,47 @@ def run_bench(
     repeats: int = 1,
     log: Callable[[str], None] = lambda _line: None,
     hf_pipe: Pipeline | None = None,
+    via_api: ApiRun | None = None,
 ) -> dict[str, Any]:
     """Run all methods on all prompts ``repeats`` (>= 1) times; summarise per method.
     Methods and prompts are checked before the first run; hf-* methods run on ``hf_pipe``
-    (default: ``pipe``)."""
+    (default: ``pipe``). With ``via_api`` (``bench_api.api_runner``; our methods only), each
+    run is followed by the same one through the API, summarised under ``"api"``; then every
+    direct run is on a thread of its own, as the API's are (``bench_api.run_alone``)."""
     methods = check_methods(pipe.preset, methods)
+    if via_api is not None:
+        check_api_methods(methods)
+    alone: Callable[[Callable[[], Any]], Any] = run_alone if via_api is not None else _now
     hf_pipe = hf_pipe or pipe
-    encoded = encode_prompts(pipe, prompts, max_new_tokens)
+    encoded = alone(partial(encode_prompts, pipe, prompts, max_new_tokens))
     # Warm-up of every method: first calls pay for allocations, lazy initialisation (and on a
     # GPU, kernel selection), which would otherwise count against whichever method runs first.
-    reference = _run_ours(pipe, "none", encoded[0], WARM_UP_TOKENS)["token_ids"]
+    reference = alone(partial(_run_ours, pipe, "none", encoded[0], WARM_UP_TOKENS))["token_ids"]
     for method in methods[1:]:  # methods[0] is "none", just run
-        _run_one(pipe, hf_pipe, method, encoded[0], WARM_UP_TOKENS, reference)
+        alone(partial(_run_one, pipe, hf_pipe, method, encoded[0], WARM_UP_TOKENS, reference))
+    if via_api is not None:  # and the API's path: its connection, its first requests
+        for method in methods:
+            via_api(method, encoded[0], WARM_UP_TOKENS)
     runs: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    api_runs: dict[tuple[int, str], list[dict[str, Any]]] = {}
     for rep in range(repeats):
         for i, prompt_ids in enumerate(encoded):
             for method in methods:  # "none" first: its tokens are the simulated drafts' truth
                 reference = runs[(i, "none")][-1]["token_ids"] if method != "none" else None
-                run = _run_one(pipe, hf_pipe, method, prompt_ids, max_new_tokens, reference)
+                run = alone(partial(_run_one, pipe, hf_pipe, method, prompt_ids,
+                                    max_new_tokens, reference))
                 runs.setdefault((i, method), []).append(run)
                 log(f"[{rep + 1}/{repeats}] prompt {i + 1}/{len(encoded)} {method:12s} "
                     f"{run['tokens_per_second']:6.2f} tok/s  {len(run['token_ids'])} tokens")
+                if via_api is not None:  # the same run through the API, right after
+                    api_run = via_api(method, prompt_ids, max_new_tokens)
+                    api_runs.setdefault((i, method), []).append(api_run)
+                    log(f"[{rep + 1}/{repeats}] prompt {i + 1}/{len(encoded)} {method:12s} "
+                        f"{api_run['tokens_per_second']:6.2f} tok/s  {api_run['new_tokens']} "
+                        "tokens via API")
     report = summarise(prompts, methods, runs)
+    if via_api is not None:
+        report["api"] = summarise_api(prompts, methods, runs, api_runs)
     if hf_pipe is not pipe:
         spec = hf_pipe.preset.target
         report["hf_target"] = f"{spec.model} ({spec.dtype}, quantization {spec.quantization})"
@@ -275,6 +308,8 @@ def format_table(report: dict[str, Any]) -> str:
     if "hf_target" in report:
         lines.append(f"hf-* methods ran on {report['hf_target']}, not the served target: "
                      "their tokens are that model's")
+    if "api" in report:
+        lines += ["", *format_api(report["api"])]
     lines.append("")
     lines.append("per prompt: tok/s (speedup vs none)")
     methods = list(report["methods"])

@@ -1,5 +1,5 @@
 """Command line: ``localspec generate | bench | verify | quality | presets | export-vllm |
-gpucheck``.
+gpucheck | serve``.
 
 Thin: parse flags, validate them against the preset (no model needed), load a preset into a
 Pipeline, call the engine, benchmark or checker, print. Every flag, method and prompt is checked
@@ -19,6 +19,8 @@ JSON, where the escape is valid JSON) instead of raising mid-print.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import logging
 import os
@@ -32,7 +34,7 @@ from pathlib import Path
 from transformers.utils import logging as transformers_logging
 
 from localspec.cli.loading import load_pipeline
-from localspec.cli.options import add_gpucheck, add_train_drafter, count
+from localspec.cli.options import add_gpucheck, add_serve, add_train_drafter, count
 from localspec.config import (
     DEFAULT_PRESET,
     HARDWARE_LABELS,
@@ -79,23 +81,33 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         needs_draft,
         run_bench,
     )
+    from localspec.cli.bench_api import api_runner, check_api_methods, run_alone
 
     preset = load_preset(args.preset)
     simulated = [f"{SIMULATED}{a.strip()}" for a in (args.simulate_acceptance or "").split(",")
                  if a.strip()]
     if args.methods is None and not simulated:
         methods = default_methods(preset)
+        if args.api:  # transformers' methods cannot run through the API
+            methods = [m for m in methods if m not in HF_METHODS]
     else:
         named = [m.strip() for m in (args.methods or "").split(",") if m.strip()]
         if args.methods is not None and not named:
             raise ConfigError(f"--methods {args.methods!r} names no method: give one or more of "
                               f"{', '.join(method_names() + HF_METHODS)}, separated by commas")
         methods = check_methods(preset, (named or ["none"]) + simulated)
+    if args.api:
+        check_api_methods(methods)
     request_settings_for(preset, max_new_tokens=args.max_new_tokens, temperature=0.0)
     prompts = load_prompts(args.prompts)
-    pipe = load_pipeline(preset, need_draft=any(needs_draft(m) for m in methods))
-    report = run_bench(pipe, prompts, methods, args.max_new_tokens, args.repeats, log=_log_line,
-                       hf_pipe=hf_pipeline(pipe, methods, load_pipeline))
+    load = functools.partial(load_pipeline, preset,
+                             need_draft=any(needs_draft(m) for m in methods))
+    pipe = run_alone(load) if args.api else load()  # bench_api says why
+    with contextlib.ExitStack() as stack:
+        via_api = stack.enter_context(api_runner(pipe, args.preset)) if args.api else None
+        report = run_bench(pipe, prompts, methods, args.max_new_tokens, args.repeats,
+                           log=_log_line, hf_pipe=hf_pipeline(pipe, methods, load_pipeline),
+                           via_api=via_api)
     print(json.dumps(report, ensure_ascii=False) if args.json else format_table(report))
     return 0
 
@@ -165,6 +177,12 @@ def _cmd_export_vllm(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from localspec.cli.serve import run_serve
+
+    return run_serve(args)
+
+
 def _cmd_train_drafter(args: argparse.Namespace) -> int:
     from localspec.cli.train_drafter import run_train_drafter
 
@@ -205,6 +223,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "that are the target's own greedy tokens, each kept with "
                             "probability A (engine overhead at a realistic acceptance, e.g. "
                             "on random weights); output stays exact")
+    bench.add_argument("--api", action="store_true",
+                       help="also run each method through the OpenAI-compatible API (served "
+                            "here, streamed over loopback HTTP, one client) right after its "
+                            "direct run: tok/s, ratio to the direct run, identical output; our "
+                            "methods only (default: those the preset can run)")
     bench.set_defaults(func=_cmd_bench)
 
     verify = sub.add_parser("verify", help="check that speculation changes nothing, here")
@@ -238,6 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.set_defaults(func=_cmd_export_vllm)
     add_gpucheck(sub, _cmd_gpucheck)
     add_train_drafter(sub, _cmd_train_drafter)
+    add_serve(sub, _cmd_serve)
     return parser
 
 

@@ -8,6 +8,10 @@ from collections.abc import Callable
 
 from localspec.config import (
     ANSWER_SOURCES,
+    API_KEY_ENV,
+    API_MAX_QUEUED,
+    API_PORT,
+    DEFAULT_PRESET,
     MAX_NEW_TOKENS,
     MAX_SPECULATIVE_TOKENS,
 )
@@ -129,3 +133,19 @@ def add_gpucheck(sub: argparse._SubParsersAction, handler: Handler) -> None:
     gpucheck.add_argument("--out", default="docs", metavar="DIR",
                           help="folder for the report (default: docs)")
     gpucheck.set_defaults(func=handler)
+
+
+def add_serve(sub: argparse._SubParsersAction, handler: Handler) -> None:
+    serve = sub.add_parser("serve", help="serve an OpenAI-compatible API (/v1) over a preset")
+    serve.add_argument("--preset", default=DEFAULT_PRESET,
+                       help="a shipped preset (see `localspec presets`) or a .toml path")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (default: loopback only)")
+    serve.add_argument("--port", type=count(65535), default=API_PORT)
+    serve.add_argument("--api-key", default=None,
+                       help=f"require 'Authorization: Bearer KEY' on every route (default: "
+                            f"${API_KEY_ENV} if set, else no key)")
+    serve.add_argument("--max-queued", type=count(1024), default=API_MAX_QUEUED,
+                       help="requests held at once, waiting or generating; one more is "
+                            f"answered 429 (default {API_MAX_QUEUED})")
+    serve.set_defaults(func=handler)

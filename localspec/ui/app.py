@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import gradio as gr
 
+from localspec.host import ModelHost
 from localspec.models.hardware import Hardware
 from localspec.ui.chat_view import CHAT_CSS
 from localspec.ui.handlers import ChatApp
-from localspec.ui.host import ModelHost
 from localspec.ui.layout import build
+from localspec.ui.preset_view import api_html
 from localspec.ui.render import CSS
 from localspec.ui.views import ChatView, RaceView, Settings, SwitchView
 
@@ -34,6 +35,8 @@ EXTRA_CSS = """
 APP_CSS = CSS + CHAT_CSS + EXTRA_CSS
 
 
-def build_app(host: ModelHost, hardware: Hardware, default_preset: str) -> gr.Blocks:
-    """The app over ``host`` (which the caller starts loading). Launch with ``css=APP_CSS``."""
-    return build(ChatApp(host, hardware, default_preset))
+def build_app(host: ModelHost, hardware: Hardware, default_preset: str,
+              api_url: str | None = None, api_key_needed: bool = False) -> gr.Blocks:
+    """The app over ``host`` (which the caller starts loading), saying where its API is when
+    ``api_url`` is given. Launch with ``css=APP_CSS``."""
+    return build(ChatApp(host, hardware, default_preset), api_html(api_url, api_key_needed))

@@ -30,19 +30,18 @@ from typing import Any
 import gradio as gr
 
 from localspec.engine.engine import GenerationRequest, StepEvent
+from localspec.engine.spans import TokenSpan, TokenTexts
 from localspec.errors import LocalSpecError
 from localspec.files import count_lone_surrogates, replace_lone_surrogates
+from localspec.host import ModelHost
 from localspec.models.hardware import Hardware, survey_presets
 from localspec.pipeline import Pipeline
 from localspec.presets import Preset, load_preset
 from localspec.ui.chat_view import chat_html, notice_html
-from localspec.ui.host import ModelHost
 from localspec.ui.preset_view import preset_info_html, presets_html
 from localspec.ui.render import (
     LiveStats,
     RaceSide,
-    TokenSpan,
-    TokenTexts,
     race_html,
     spans_html,
     stats_html,

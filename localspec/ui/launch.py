@@ -1,7 +1,8 @@
 """``python app.py`` (or ``localspec-app``): the LocalSpec chat in your browser.
 
 Thin: parse flags, start loading the preset in the background, open the page at once (it shows
-the loading progress), serve on loopback unless ``--host`` says otherwise. The UI lives in
+the loading progress), serve on loopback unless ``--host`` says otherwise, with the
+OpenAI-compatible API (``localspec/api/``) at ``/v1`` of the same server. The UI lives in
 ``localspec/ui/``.
 """
 
@@ -15,7 +16,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from localspec.config import DEFAULT_PRESET
+    from localspec.config import API_KEY_ENV, DEFAULT_PRESET
 
     parser = argparse.ArgumentParser(description="LocalSpec: chat with speculative decoding")
     parser.add_argument("--preset", default=DEFAULT_PRESET,
@@ -26,23 +27,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--share", action="store_true",
                         help="also open a public Gradio share link (off by default)")
     parser.add_argument("--no-browser", action="store_true", help="do not open a browser tab")
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on the API's routes under "
+                             f"/v1 (default: ${API_KEY_ENV} if set, else no key)")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from starlette.routing import Mount
+
+    from localspec.api.server import api_key, create_api
+    from localspec.host import ModelHost
     from localspec.models.hardware import detect_hardware
     from localspec.ui.app import APP_CSS, build_app
-    from localspec.ui.host import ModelHost
 
     host = ModelHost()
     host.load_async(args.preset)
-    demo = build_app(host, detect_hardware(), args.preset)
+    key = api_key(args.api_key)
+    shown = f"[{args.host}]" if ":" in args.host else args.host
+    demo = build_app(host, detect_hardware(), args.preset,
+                     api_url=f"http://{shown}:{args.port}/v1", api_key_needed=key is not None)
     demo.queue()
+    # The API is a route of the app's own server: the page and API clients share the models
+    # and the one queue.
     demo.launch(server_name=args.host, server_port=args.port, share=args.share,
                 inbrowser=not args.no_browser, css=APP_CSS, ssr_mode=False,
-                footer_links=["settings"])
+                footer_links=["settings"],
+                app_kwargs={"routes": [Mount("/v1", app=create_api(host, key))]})
 
 
 if __name__ == "__main__":

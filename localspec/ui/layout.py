@@ -174,13 +174,16 @@ def _preset_panel(app: ChatApp) -> PresetPanel:
     return PresetPanel(preset, path, load, info)
 
 
-def build(app: ChatApp) -> gr.Blocks:
-    """The page. Launch it with ``css=APP_CSS`` (``localspec.ui.app``)."""
+def build(app: ChatApp, api_info: str = "") -> gr.Blocks:
+    """The page (``api_info``: where its API is, shown under the status). Launch it with
+    ``css=APP_CSS`` (``localspec.ui.app``)."""
     with gr.Blocks(title="LocalSpec", analytics_enabled=False) as demo:
         gr.Markdown("# LocalSpec: speculative decoding you can watch\n"
                     "Green tokens were guessed by the drafter and accepted by the target; "
                     "the output is exactly what the target alone would say.")
         status = gr.HTML(app.status(), elem_id="ls-status", js_on_load=None)
+        if api_info:
+            gr.HTML(api_info, elem_id="ls-api", js_on_load=None)
         with gr.Tabs():
             with gr.Tab("Chat"), gr.Row():
                 with gr.Column(scale=3):

@@ -45,3 +45,14 @@ def presets_html(rows: Sequence[PresetSummary], machine: str) -> str:
     if items:
         parts.append(f"<ul>{''.join(items)}</ul>")
     return f'<div class="ls-presets">{"".join(parts)}</div>'
+
+
+def api_html(url: str | None, key_needed: bool) -> str:
+    """Where the OpenAI-compatible API of this server is ("" when it is not served)."""
+    if url is None:
+        return ""
+    address = html.escape(url)
+    key = " (send your API key as a Bearer token)" if key_needed else ""
+    return (f'<div class="ls-api">OpenAI-compatible API: <code>{address}</code>{key}: point '
+            f"any OpenAI client at it, e.g. <code>OpenAI(base_url=\"{address}\", "
+            "api_key=\"…\")</code></div>")

@@ -17,8 +17,11 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from localspec.engine.engine import StepEvent
+from localspec.engine.spans import TokenSpan, TokenTexts, event_spans
 from localspec.errors import LocalSpecError
-from localspec.ui.render import LiveStats, TokenSpan, TokenTexts, event_spans
+from localspec.ui.render import (
+    LiveStats,
+)
 
 logger = logging.getLogger(__name__)
 

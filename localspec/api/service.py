@@ -1,0 +1,279 @@
+"""The API's side of the model host: checking a request against the loaded preset, admitting it
+to the one queue, and running it on a worker thread while the server's event loop streams.
+
+Answers come one at a time, the app's and the API's alike: a generation holds the host's
+generation lock. At most ``max_queued`` API requests are held at once (waiting or generating);
+one more is refused with 429 at once rather than left to hang. A generation stops within one
+speculation step of its client going away: a stream's consumer sets the cancel flag when the
+server closes it, a non-streaming request polls for the disconnect, and a consumer that is
+dropped without either lets go of the worker's only link to it (a weak reference).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import threading
+import time
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+from localspec.api.errors import BadRequest, Busy, Loading, NotFound, TooLarge
+from localspec.api.schemas import ChatRequest, CompletionRequest
+from localspec.config import API_MAX_QUEUED, Preset
+from localspec.engine.engine import GenerationRequest, StepEvent
+from localspec.engine.stats import GenerationStats
+from localspec.errors import LocalSpecError
+from localspec.host import ModelHost
+from localspec.pipeline import Pipeline, check_method
+from localspec.presets import list_preset_names
+from localspec.registry import method_names
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.25  # how often a waiting or non-streaming request looks for its client's departure
+
+
+@dataclass
+class Job:
+    """One admitted request: what to generate and with which models."""
+
+    id: str
+    created: int
+    model: str
+    pipeline: Pipeline
+    request: GenerationRequest
+    method: str
+    want_tokens: bool
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.request.prompt_ids)
+
+
+def _model_ids(preset: Preset, key: str) -> set[str]:
+    """The names a request's ``model`` may give the loaded preset: its key (or path), its name,
+    and the target model's name."""
+    return {key, preset.name, preset.target.model}
+
+
+class ApiService:
+    """Requests checked, admitted and run against ``host``'s loaded pipeline."""
+
+    def __init__(self, host: ModelHost, max_queued: int = API_MAX_QUEUED) -> None:
+        self.host = host
+        self.max_queued = max_queued
+        self._lock = threading.Lock()
+        self._admitted = 0
+
+    # ------------------------------------------------------------------ models
+
+    def loaded(self) -> tuple[Pipeline, str]:
+        """The pipeline in use and its preset key; Loading (503) while there is none."""
+        pipeline, status = self.host.pipeline, self.host.status()
+        if pipeline is None or status.active is None:
+            if status.loading is not None:
+                raise Loading(f"the models are loading (preset '{status.loading}': "
+                              f"{status.message}, {status.fraction:.0%}); try again shortly")
+            raise Loading(f"no model is loaded{': ' + status.error if status.error else ''}")
+        return pipeline, status.active
+
+    def models(self) -> list[dict[str, object]]:
+        """``GET /v1/models``: every shipped preset, and the loaded one (a path, perhaps) marked."""
+        pipeline, active = self.host.pipeline, self.host.status().active
+        names = list_preset_names()
+        if active is not None and active not in names:
+            names.append(active)
+        return [{"id": name, "object": "model", "created": 0, "owned_by": "localspec",
+                 "loaded": name == active,
+                 **({"target": pipeline.preset.target.model,
+                     "method": pipeline.preset.speculative_config.method}
+                    if name == active and pipeline is not None else {})}
+                for name in names]
+
+    def model(self, name: str) -> dict[str, object]:
+        for entry in self.models():
+            if entry["id"] == name:
+                return entry
+        raise NotFound(f"the model '{name}' does not exist", param="model")
+
+    # ------------------------------------------------------------------ requests
+
+    def prepare(self, body: ChatRequest | CompletionRequest, kind: str) -> Job:
+        """A Job for ``body`` on the loaded preset, every check done before any model work:
+        the model's name, the method, the settings' ranges, the prompt against the context."""
+        pipeline, active = self.loaded()
+        if body.model is not None and body.model not in _model_ids(pipeline.preset, active):
+            if body.model in list_preset_names():
+                raise BadRequest(f"the model '{body.model}' is not loaded: this server runs "
+                                 f"'{active}' (switch presets in the app, or restart `localspec "
+                                 f"serve --preset {body.model}`)", param="model",
+                                 code="model_not_loaded")
+            raise NotFound(f"the model '{body.model}' does not exist: this server runs "
+                           f"'{active}' (GET /v1/models lists the presets)", param="model")
+        method = body.localspec.method or pipeline.preset.speculative_config.method
+        try:
+            if method not in method_names():
+                raise BadRequest(f"unknown method '{method}': one of "
+                                 f"{', '.join(method_names())}", param="localspec.method")
+            check_method(pipeline.preset, method)
+            prompt = (pipeline.encode_chat(body.chat()) if isinstance(body, ChatRequest)
+                      else self._raw_prompt(pipeline, body.prompt))
+            request = pipeline.request(prompt, stop_strings=body.stop_strings(),
+                                       max_new_tokens=body.new_tokens(),
+                                       temperature=body.temperature, top_p=body.top_p,
+                                       top_k=body.top_k, seed=body.seed)
+        except LocalSpecError as exc:  # a template's refusal, a setting out of range, ...
+            if isinstance(exc, BadRequest):
+                raise
+            raise BadRequest(str(exc)) from exc
+        context = pipeline.target_runner().max_length
+        if len(request.prompt_ids) >= context:
+            raise TooLarge(f"the prompt is {len(request.prompt_ids)} tokens and the model's "
+                           f"context holds {context}: shorten it", param="messages")
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        return Job(f"{prefix}-{secrets.token_hex(12)}", int(time.time()), body.model or active,
+                   pipeline, request, method, body.localspec.tokens)
+
+    @staticmethod
+    def _raw_prompt(pipeline: Pipeline, prompt: str | list[str] | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return pipeline.encode_prompt(prompt, raw=True)
+        if isinstance(prompt[0], str):
+            return pipeline.encode_prompt(str(prompt[0]), raw=True)
+        vocab = pipeline.target.vocab_size
+        ids = [int(t) for t in prompt]
+        if not all(0 <= t < vocab for t in ids):
+            raise BadRequest(f"prompt: token ids must be in [0, {vocab})", param="prompt")
+        return ids
+
+    # ------------------------------------------------------------------ running
+
+    def start(self, job: Job) -> Generation:
+        """Admit ``job`` to the queue (Busy, 429, when it is full) and start its worker."""
+        with self._lock:
+            if self._admitted >= self.max_queued:
+                raise Busy(f"the server holds {self._admitted} requests, its limit: try again "
+                           "shortly")
+            self._admitted += 1
+        generation = Generation(job, asyncio.get_running_loop())
+        thread = threading.Thread(target=self._work, args=(generation.link(),), daemon=True,
+                                  name=f"api-{job.id}")
+        try:
+            thread.start()
+        except RuntimeError:
+            self._leave()
+            raise
+        return generation
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._admitted -= 1
+
+    def _work(self, link: _Link) -> None:
+        """The worker: wait for the turn, generate, pass each event to the consumer."""
+        session = f"api/{link.job.id}"
+        cancel = self.host.begin(session)
+        waiting = False
+        try:
+            got = self.host.acquire(cancel, 0.0)
+            if not got:
+                waiting = True
+                self.host.set_waiting(+1)
+            while not got:
+                if got is None or link.gone():
+                    link.put(_END)
+                    return
+                got = self.host.acquire(cancel, POLL_S)
+            if waiting:
+                waiting = False
+                self.host.set_waiting(-1)
+            try:
+                start = time.perf_counter()
+                job = link.job
+                stream = job.pipeline.stream(job.request, job.method,
+                                             cancelled=lambda: cancel.is_set() or link.gone())
+                for event in stream:
+                    job.stats.add(event)
+                    job.stats.wall_time = time.perf_counter() - start
+                    link.put(event)
+            finally:
+                self.host.generation_lock.release()
+            link.put(_END)
+        except Exception as exc:  # handed to the consumer: a message, or a bug logged there
+            link.put(exc)
+        finally:
+            if waiting:
+                self.host.set_waiting(-1)
+            self.host.end(session, cancel)
+            self._leave()
+
+
+_END = object()
+
+
+class _Link:
+    """The worker's side: the job, and a weak reference to the consumer's queue."""
+
+    def __init__(self, job: Job, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> None:
+        self.job = job
+        self.loop = loop
+        self._queue = weakref.ref(queue)
+        self.closed = False  # the consumer stopped listening
+
+    def gone(self) -> bool:
+        return self.closed or self._queue() is None
+
+    def put(self, item: object) -> None:
+        queue = self._queue()
+        if queue is None:
+            return
+        with contextlib.suppress(RuntimeError):  # the server's loop has closed: nobody listens
+            self.loop.call_soon_threadsafe(queue.put_nowait, item)
+
+
+class Generation:
+    """The consumer's side of a running job: its events, in order, as they come."""
+
+    def __init__(self, job: Job, loop: asyncio.AbstractEventLoop) -> None:
+        self.job = job
+        self._loop = loop
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._link = _Link(job, loop, self._queue)
+
+    def link(self) -> _Link:
+        return self._link
+
+    def cancel(self) -> None:
+        """Stop the generation (at its next step) or its wait for a turn."""
+        self._link.closed = True
+
+    async def events(self, disconnected: Callable[[], Awaitable[bool]] | None = None,
+                     ) -> AsyncIterator[StepEvent]:
+        """The job's events until it ends; a LocalSpecError or bug raised in the worker is
+        raised here. ``disconnected`` is polled (a non-streaming request) every POLL_S; a
+        consumer closed or cancelled early stops the worker."""
+        last = time.monotonic()
+        try:
+            while True:
+                try:
+                    item = await asyncio.wait_for(self._queue.get(), POLL_S)
+                except TimeoutError:
+                    item = None
+                if disconnected is not None and time.monotonic() - last >= POLL_S:
+                    last = time.monotonic()
+                    if await disconnected():
+                        return
+                if item is None:
+                    continue
+                if item is _END:
+                    return
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+        finally:
+            self.cancel()

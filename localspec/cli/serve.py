@@ -1,0 +1,79 @@
+"""``localspec serve``: the OpenAI-compatible API over one preset, under uvicorn.
+
+The port is bound and the preset file read before anything loads (a taken port or a typo costs
+no model load and ends with exit 2); the models then load in the background while the server
+already answers (503 with Retry-After until they are ready, so a client can wait for them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import socket
+import sys
+import threading
+
+from localspec.api.server import api_key, create_api, root_app
+from localspec.errors import ConfigError
+from localspec.host import ModelHost
+from localspec.presets import load_preset
+
+logger = logging.getLogger("localspec.serve")
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port``; ConfigError (exit 2) when it cannot be had."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise ConfigError(f"--host {host!r}: not an address this machine has ({exc})") from exc
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror} (another server "
+                          "there? choose one with --port)") from exc
+    return sock
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _report_load(model_host: ModelHost, preset: str) -> None:
+    model_host.wait_loaded(timeout=24 * 3600)
+    status = model_host.status()
+    if status.active is not None:
+        print(f"localspec: preset '{preset}' loaded: ready", file=sys.stderr, flush=True)
+    else:
+        print(f"localspec: {status.error}", file=sys.stderr, flush=True)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    load_preset(args.preset)  # a missing or broken preset: exit 2 before the port is taken
+    key = api_key(args.api_key)
+    sock = bind(args.host, args.port)
+    model_host = ModelHost()
+    app = root_app(create_api(model_host, key, args.max_queued))
+    model_host.load_async(args.preset)
+    threading.Thread(target=_report_load, args=(model_host, args.preset), daemon=True).start()
+    shown = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"localspec: OpenAI-compatible API at http://{shown}:{args.port}/v1 (preset "
+          f"'{args.preset}', loading; {'an API key is needed' if key else 'no API key'})",
+          file=sys.stderr, flush=True)
+    if not is_loopback(args.host) and key is None:
+        print(f"localspec: warning: listening on {args.host} without an API key: anyone who "
+              "can reach this machine can use it (set --api-key)", file=sys.stderr, flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=2))
+    server.run(sockets=[sock])
+    return 0
