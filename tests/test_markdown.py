@@ -69,32 +69,38 @@ FIXED_ATTRIBUTES = {"class", "href", "target", "rel", "type", "start", "data-ls-
 
 
 class Parsed(HTMLParser):
-    """Every tag (with its attributes), the nesting checked, and the text of a fragment."""
+    """A fragment's tags (with attributes), its elements with their depth and text content
+    (as the browser's textContent has it), and its text; the nesting is checked."""
 
     def __init__(self, page: str) -> None:
         super().__init__(convert_charrefs=True)
         self.tags: list[tuple[str, dict[str, str | None]]] = []
+        self.elements: list[list] = []  # [tag, attrs, depth, text]
         self.text: list[str] = []
-        self.open: list[str] = []
+        self.open: list[int] = []
         self.feed(page)
         self.close()
         assert self.open == [], f"unclosed {self.open} in {page!r}"
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         self.tags.append((tag, dict(attrs)))
+        self.elements.append([tag, dict(attrs), len(self.open), ""])
         if tag not in VOID_TAGS:
-            self.open.append(tag)
+            self.open.append(len(self.elements) - 1)
 
     def handle_startendtag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         assert tag in VOID_TAGS, tag
         self.tags.append((tag, dict(attrs)))
+        self.elements.append([tag, dict(attrs), len(self.open), ""])
 
     def handle_endtag(self, tag: str) -> None:
-        assert self.open and self.open[-1] == tag, f"</{tag}> closes {self.open}"
+        assert self.open and self.elements[self.open[-1]][0] == tag, f"</{tag}> in {self.open}"
         self.open.pop()
 
     def handle_data(self, data: str) -> None:
         self.text.append(data)
+        for index in self.open:
+            self.elements[index][3] += data
 
     def handle_comment(self, data: str) -> None:
         raise AssertionError(f"a comment: {data!r}")
@@ -107,6 +113,14 @@ class Parsed(HTMLParser):
 
     def unknown_decl(self, data: str) -> None:
         raise AssertionError(f"a declaration: {data!r}")
+
+    def texts(self, tag: str) -> list[str]:
+        """The text of each ``tag`` element."""
+        return [text for name, _, _, text in self.elements if name == tag]
+
+    def blocks(self) -> list[str]:
+        """The top-level elements, in order (a code block counts as one)."""
+        return [name for name, _, depth, _ in self.elements if depth == 0]
 
 
 def assert_safe(page: str) -> Parsed:
@@ -159,36 +173,13 @@ def test_unsafe_links_stay_the_characters_written() -> None:
 
 def test_images_are_links_labelled_with_alt_and_host() -> None:
     page = render_markdown(f"![a chart]({LEAK}/c.png) and ![r][ref]\n\n[ref]: https://ex.org/i")
-    links = _links(page)
+    links = [(attrs, text) for tag, attrs, _, text in Parsed(page).elements if tag == "a"]
     assert [text for _, text in links] == ["🖼 a chart (127.0.0.1)", "🖼 r (ex.org)"]
     assert [a["href"] for a, _ in links] == [f"{LEAK}/c.png", "https://ex.org/i"]
     assert all("ls-image" in a["class"] and "not loaded" in a["title"] for a, _ in links)
     nested = assert_safe(render_markdown(f"[![logo]({LEAK}/l.png)](https://ex.org/)"))
     assert [t for t, a in nested.tags if t == "a"] == ["a"]  # the image inside: text only
     assert "🖼 logo (127.0.0.1)" in "".join(nested.text)
-
-
-def _links(page: str) -> list[list]:
-    """[attrs, text] of each <a> of a page."""
-    found: list[list] = []
-
-    class Links(HTMLParser):
-        inside = False
-
-        def handle_starttag(self, tag: str, attrs: list) -> None:
-            if tag == "a":
-                found.append([dict(attrs), ""])
-                self.inside = True
-
-        def handle_endtag(self, tag: str) -> None:
-            self.inside = self.inside and tag != "a"
-
-        def handle_data(self, data: str) -> None:
-            if self.inside:
-                found[-1][1] += data
-
-    Links(convert_charrefs=True).feed(page)
-    return found
 
 
 def test_ordinary_markdown_renders() -> None:
@@ -224,28 +215,7 @@ def test_unknown_languages_and_indented_code_stay_plain() -> None:
 
 def _code_texts(page: str) -> list[str]:
     """The text of each code block (<pre><code>), as the browser's textContent has it."""
-    texts: list[str] = []
-
-    class Code(HTMLParser):
-        depth = 0
-
-        def handle_starttag(self, tag: str, attrs: list) -> None:
-            if tag == "pre":
-                self.depth = 1
-                texts.append("")
-
-        def handle_endtag(self, tag: str) -> None:
-            if tag == "pre":
-                self.depth = 0
-
-        def handle_data(self, data: str) -> None:
-            if self.depth:
-                texts[-1] += data
-
-    parser = Code(convert_charrefs=True)
-    parser.feed(page)
-    parser.close()
-    return texts
+    return Parsed(page).texts("pre")
 
 
 def _fuzz_code(rng: random.Random) -> str:
@@ -314,65 +284,24 @@ See [the docs](https://docs.python.org/3/) or ![a diagram](https://example.org/d
 """
 
 
-def _blocks(page: str) -> list[str]:
-    """The top-level elements of a page, in order (a code block counts as one)."""
-    blocks: list[str] = []
-
-    class Top(HTMLParser):
-        depth = 0
-
-        def handle_starttag(self, tag: str, attrs: list) -> None:
-            if self.depth == 0:
-                blocks.append(tag)
-            if tag not in VOID_TAGS:
-                self.depth += 1
-
-        def handle_startendtag(self, tag: str, attrs: list) -> None:
-            if self.depth == 0:
-                blocks.append(tag)
-
-        def handle_endtag(self, tag: str) -> None:
-            self.depth -= 1
-
-    Top().feed(page)
-    return blocks
-
-
 def test_every_streaming_prefix_is_well_formed_and_never_reshapes_finished_blocks() -> None:
     final = render_markdown(LONG_ANSWER)
-    final_blocks, final_code = _blocks(final), _code_texts(final)
+    final_blocks, final_code = Parsed(final).blocks(), _code_texts(final)
     assert final_blocks == ["h1", "p", "ol", "table", "div", "blockquote", "h2", "div", "p"]
     assert final_code[0].endswith("\treturn letters == letters[::-1]  # <- a tab\n")
     for end in range(len(LONG_ANSWER) + 1):
         prefix = LONG_ANSWER[:end]
         page = render_markdown(prefix, streaming=True)
-        assert_safe(page)
-        blocks = _blocks(page)
+        parsed = assert_safe(page)
+        blocks = parsed.blocks()
         # Every block but the last is final already; the last one is, or is a paragraph
         # still growing (into a list item or a setext heading, as its next line decides).
         assert blocks[:-1] == final_blocks[:max(len(blocks) - 1, 0)], (prefix, blocks)
         assert not blocks or blocks[-1] in (final_blocks[len(blocks) - 1], "p"), (prefix, blocks)
-        assert not any(tag == "p" and text.startswith("|")
-                       for tag, text in _paragraphs(page)), prefix  # no table shown as text
+        assert not any(p.startswith("|") for p in parsed.texts("p")), prefix  # no table as text
         for shown, whole in zip(_code_texts(page), final_code, strict=False):
             assert whole.startswith(shown), (prefix, shown)
     assert render_markdown(LONG_ANSWER, streaming=True) == final
-
-
-def _paragraphs(page: str) -> list[tuple[str, str]]:
-    found: list[tuple[str, str]] = []
-
-    class Paragraphs(HTMLParser):
-        def handle_starttag(self, tag: str, attrs: list) -> None:
-            if tag == "p":
-                found.append(("p", ""))
-
-        def handle_data(self, data: str) -> None:
-            if found and self.lasttag == "p":
-                found[-1] = ("p", found[-1][1] + data)
-
-    Paragraphs().feed(page)
-    return found
 
 
 @pytest.mark.parametrize(("text", "shown"), [
