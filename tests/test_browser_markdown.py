@@ -14,6 +14,7 @@ Also a script for the screenshot of the chat (``docs/screenshot-markdown.png``):
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -170,17 +171,23 @@ def test_markdown_renders_copies_the_source_and_fetches_nothing() -> None:
 
 
 def _screenshot(path: Path) -> None:
-    """The chat with a rendered answer, for docs/app.md and the README."""
+    """The chat with a rendered answer, down to its view switches, for docs/app.md and the
+    README (the readout is left out: a scripted answer's tokens/s mean nothing)."""
     with scripted_app(ANSWER) as url, browser_page(1400, 1000) as page:
         page.goto(url)
         send(page, "How do I check for a palindrome in Python?")
         wait_for_answer(page)
         page.wait_for_timeout(1000)
-        page.locator("#ls-chat").screenshot(path=str(path))
+        top = page.locator("#ls-chat").bounding_box()
+        bottom = page.locator("#ls-md-mine").bounding_box()
+        page.screenshot(path=str(path), clip={
+            "x": top["x"] - 8, "y": top["y"] - 8, "width": top["width"] + 16,
+            "height": bottom["y"] + bottom["height"] - top["y"] + 16})
     print(f"wrote {path} ({path.stat().st_size // 1024} KB)")
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))  # as a script, the checkout's localspec
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--screenshot", type=Path,
                         default=REPO / "docs" / "screenshot-markdown.png")

@@ -48,7 +48,7 @@ CHAT_CSS = """
 #ls-chat .ls-chat { border: 1px solid var(--border-color-primary); border-radius: 8px; }
 #ls-chat .ls-chat-bar { display: flex; justify-content: space-between; align-items: center;
   padding: 4px 8px; font-size: 0.85em; border-bottom: 1px solid var(--border-color-primary); }
-#ls-chat .ls-chat-log { height: 360px; overflow-y: auto; display: flex;
+#ls-chat .ls-chat-log { height: max(360px, 55vh); overflow-y: auto; display: flex;
   flex-direction: column-reverse; padding: 6px 8px; }
 #ls-chat .ls-msg { margin: 6px 0; padding: 6px 10px; border-radius: 8px; max-width: 92%; }
 #ls-chat .ls-user { background: var(--background-fill-secondary); margin-left: auto; }

@@ -275,13 +275,14 @@ MARKDOWN_CSS = (
 #ls-chat .ls-msg-md ul { list-style: disc; } #ls-chat .ls-msg-md ol { list-style: decimal; }
 #ls-chat .ls-msg-md blockquote { border-left: 3px solid var(--border-color-primary);
   padding-left: 0.8em; opacity: 0.85; }
-#ls-chat .ls-msg-md table { border-collapse: collapse; display: block; overflow-x: auto; }
+#ls-chat .ls-msg-md table { border-collapse: collapse; display: block; overflow-x: auto;
+  width: max-content; max-width: 100%; border: none; padding: 0; }
 #ls-chat .ls-msg-md th, #ls-chat .ls-msg-md td { border: 1px solid var(--border-color-primary);
   padding: 2px 8px; }
 #ls-chat .ls-msg-md .ls-align-left { text-align: left; }
 #ls-chat .ls-msg-md .ls-align-center { text-align: center; }
 #ls-chat .ls-msg-md .ls-align-right { text-align: right; }
-#ls-chat .ls-msg-md a { text-decoration: underline; }
+#ls-chat .ls-msg-md a { text-decoration: underline; padding: 0; }
 #ls-chat .ls-msg-md :not(pre) > code { font-family: ui-monospace, SFMono-Regular, Menlo,
   monospace; font-size: 0.9em; padding: 0 3px; border-radius: 3px;
   background: rgba(127, 127, 127, 0.15); }
