@@ -52,7 +52,8 @@ def injections(port: int) -> str:
             f"<div style=\"background:url({leak}/attr-url)\">x</div> "
             f"<video poster=\"{leak}/poster\"></video> <object data=\"{leak}/object\"></object> "
             f"[js](javascript:fetch('{leak}/js')) [data](data:text/html,<img src={leak}/data>) "
-            f"<{leak}/autolink> &lt;img src={leak}/entity&gt;\n\n[r]: {leak}/reference-image\n")
+            f"<{leak}/autolink> &lt;img src={leak}/entity&gt; ${{1+1}} {{{{x}}}}\n\n"
+            f"[r]: {leak}/reference-image\n")
 
 
 @contextmanager
@@ -128,6 +129,7 @@ def test_markdown_renders_copies_the_source_and_fetches_nothing() -> None:
             image = rendered.locator("a.ls-image").first
             assert image.inner_text() == "🖼 chart (127.0.0.1)"
             assert "<img src=" in rendered.inner_text()  # raw HTML is shown as text
+            assert "${1+1} {{x}}" in rendered.inner_text()  # no template reads it
             # The user's message is shown as typed until asked otherwise.
             user = bubble(page, "user")
             assert user.locator(".ls-msg-text").evaluate("e => e.textContent") == evil.strip()
