@@ -45,7 +45,7 @@ from pygments.util import ClassNotFound
 LINK_REL = "noopener noreferrer nofollow"
 HIGHLIGHT_CLASS = "ls-hl"
 LIGHT_STYLE, DARK_STYLE = "default", "github-dark"
-RENDER_CACHE_SIZE = 512  # rendered messages kept: finished ones are not re-rendered per token
+RENDER_CACHE_SIZE = 256  # finished messages whose HTML is kept (see _render_finished)
 # A fence opens a code block: up to 3 spaces, then 3+ backticks or tildes (CommonMark).
 OPENING_FENCE = re.compile(r" {0,3}(`{3,}|~{3,})")
 CLOSING_FENCE = re.compile(r" {0,3}(`{3,}|~{3,})[ \t]*(\r\n|\r|\n)?")
@@ -106,7 +106,7 @@ def is_safe_url(url: str) -> bool:
 
 
 def url_host(url: str) -> str:
-    """The host a URL points at, as the browser would read it ("" if none)."""
+    """The host part of a URL ("" if none), shown beside an image's alt text."""
     try:
         return urlsplit(url).hostname or ""
     except ValueError:
@@ -239,14 +239,24 @@ def _neutralise(tokens: list[Token]) -> None:
             token.children = kept
 
 
-@lru_cache(maxsize=RENDER_CACHE_SIZE)
 def render_markdown(text: str, streaming: bool = False) -> str:
     """``text`` (Markdown) as safe HTML. ``streaming``: the text is an answer still coming,
-    rendered without what could still change shape (``streaming_source``). Pure, so its
-    results are cached: finished messages are not re-rendered at every streamed token."""
+    rendered without what could still change shape (``streaming_source``)."""
+    return _render(streaming_source(text)) if streaming else _render_finished(text)
+
+
+@lru_cache(maxsize=RENDER_CACHE_SIZE)
+def _render_finished(text: str) -> str:
+    """``_render``, remembered: the whole conversation is rendered at every streamed update,
+    and its finished messages need not be parsed again (an answer's growing prefixes are not
+    kept)."""
+    return _render(text)
+
+
+def _render(text: str) -> str:
     md = _parser()
     env: dict[str, Any] = {}
-    tokens = md.parse(streaming_source(text) if streaming else text, env)
+    tokens = md.parse(text, env)
     _neutralise(tokens)
     return md.renderer.render(tokens, md.options, env)
 
