@@ -2,12 +2,13 @@
 Playwright; Playwright's own browser download does not work offline).
 
 ``python app.py`` on loopback with the small real model: a message full of Markdown, HTML and
-indented code, typed with Shift+Enter between lines and sent with Enter, shows verbatim, makes
-the browser fetch nothing (a local server stands in for an attacker's) and copies exactly; then
-coloured token spans and a tokens/s figure, Stop mid-answer, and a broken preset file whose
-error shows while the previous preset stays active. A second test serves the same layout
-in-process with a scripted answer, so that the *assistant's* text is known and checked the same
-way.
+indented code, typed with Shift+Enter between lines and sent with Enter, shows verbatim (the
+user's messages do unless asked), makes the browser fetch nothing (a local server stands in for
+an attacker's) and copies exactly; then coloured token spans and a tokens/s figure, Stop
+mid-answer, and a broken preset file whose error shows while the previous preset stays active.
+A second test serves the same layout in-process with a scripted answer, so that the
+*assistant's* text is known: it renders as Markdown that loads nothing, copies exactly, and the
+raw toggle shows it verbatim. ``test_browser_markdown`` checks the rendering in full.
 
 Also a script for the README screenshot:
 ``python tests/test_browser.py --preset cpu-qwen-coder-draft --screenshot docs/screenshot.png``
@@ -210,7 +211,7 @@ def test_app_in_a_real_browser(tmp_path: Path) -> None:
         assert page.input_value("#ls-message textarea") == ""
         assert_shown_verbatim(page, "user", text)
         wait_for_answer(page)
-        assert clipboard_after(page, bubble(page, "user").locator("[data-ls-copy]")) == text
+        assert clipboard_after(page, bubble(page, "user").locator("[data-ls-copy=one]")) == text
 
         # A fresh conversation: the evil text holds a random port, and a 135M model's answer
         # to the next prompt must not hang on what it made of that (it once did, in a full run)
@@ -235,7 +236,7 @@ def test_app_in_a_real_browser(tmp_path: Path) -> None:
         stats = page.inner_text("#ls-stats")
         match = re.search(r"tokens/s \(average\)\s+([0-9.]+)", stats)
         assert match and float(match.group(1)) > 0, stats
-        answer = bubble(page, "assistant").locator(".ls-msg-text").inner_text()
+        answer = bubble(page, "assistant").locator(".ls-msg-md").inner_text()
         assert "quick brown fox" in answer
         page.screenshot(path=str(tmp_path / "app.png"), full_page=True)
 
@@ -281,7 +282,8 @@ def test_app_in_a_real_browser(tmp_path: Path) -> None:
 @pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or "")
 def test_assistant_markup_is_shown_not_loaded(tmp_path: Path) -> None:
     """The app's own layout and handlers in-process, the model's answer scripted (so the
-    assistant's text is known): it shows verbatim, loads nothing, and copies exactly."""
+    assistant's text is known): it renders as Markdown (the image a link, the HTML text, the
+    code exact), loads nothing, copies exactly, and shows verbatim under "show raw text"."""
     from app_helpers import scripted_stream
 
     from localspec.host import ModelHost
@@ -307,11 +309,21 @@ def test_assistant_markup_is_shown_not_loaded(tmp_path: Path) -> None:
                 expected = host.pipeline.tokenizer.decode(
                     host.pipeline.tokenizer.encode(text, add_special_tokens=False),
                     skip_special_tokens=True)
-                assert_shown_verbatim(page, "assistant", expected)
-                copy = bubble(page, "assistant").locator("[data-ls-copy]")
+                rendered = bubble(page, "assistant").locator(".ls-msg-md")
+                shown = rendered.inner_text()
+                assert "🖼 x (127.0.0.1)" in shown and f'<img src="http://127.0.0.1:{leak_port}' \
+                    f'/leak-img"> <b>bold</b> &' in shown, shown
+                assert rendered.locator("a.ls-image").get_attribute("target") == "_blank"
+                assert rendered.locator("code").evaluate("e => e.textContent") == (
+                    "def f(x):\n    if x < 1:\n        return x\n")
+                assert page.locator("#ls-chat img, #ls-chat b").count() == 0
+                copy = bubble(page, "assistant").locator("[data-ls-copy=one]")
                 assert clipboard_after(page, copy) == expected
                 everything = clipboard_after(page, page.locator("[data-ls-copy=all]"))
                 assert everything == f"You:\nSay it.\n\nLocalSpec:\n{expected}"
+                page.click("#ls-raw input")
+                bubble(page, "assistant").locator(".ls-msg-text").wait_for(state="visible")
+                assert_shown_verbatim(page, "assistant", expected)
                 page.wait_for_timeout(1000)
                 assert leaked == [], leaked
                 assert not [u for u in requests if f":{leak_port}/" in u], requests

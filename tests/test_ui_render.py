@@ -18,7 +18,7 @@ from localspec.engine.engine import StepEvent
 from localspec.engine.spans import KINDS, TokenSpan, TokenTexts, event_spans
 from localspec.errors import ModelLoadError
 from localspec.models.hardware import PresetSummary
-from localspec.ui.chat_view import chat_html, code_segments, notice_html, text_html
+from localspec.ui.chat_view import code_segments, notice_html, text_html
 from localspec.ui.preset_view import preset_info_html, presets_html
 from localspec.ui.render import (
     LiveStats,
@@ -296,21 +296,6 @@ def test_code_blocks_are_set_off_with_their_fences() -> None:
     segments = code_segments("````\na\n```\n~~~~\nb\n````\nafter")
     assert [is_code for _, is_code in segments] == [True, False]
     assert segments[0][0].endswith("````\n")
-
-
-def test_chat_html_escapes_messages_and_roles() -> None:
-    history = [{"role": "user", "content": "<b>bold</b>\n    indented"},
-               {"role": "assistant", "content": "![x](http://127.0.0.1:9/leak)"},
-               {"role": '"><img src=x>', "content": "odd role"}]
-    page = chat_html(history)
-    parsed = assert_inert(page)
-    assert "&lt;b&gt;bold&lt;/b&gt;\n    indented" in page
-    assert 'class="ls-msg ls-other" data-label="Other"' in page
-    assert sum(1 for tag, attrs in parsed.tags
-               if ("data-ls-copy", "one") in attrs) == 3  # one copy button per message
-    assert ("data-ls-copy", "all") in [a for _, attrs in parsed.tags for a in attrs]
-    assert "No messages yet" in chat_html([]) and "is answering" in chat_html([], pending=True)
-    assert "is answering" not in page
 
 
 def test_notice_escapes_error_messages() -> None:

@@ -3,9 +3,9 @@
 Where things are: ``handlers`` (``ChatApp``: plain generators, tested without a browser),
 ``layout`` (the ``gr.Blocks`` over them), ``streaming`` (the one loop from StepEvents to
 snapshots), ``views`` (``Settings`` and the outputs' shapes), and the pure renderers
-``render`` (tokens, readout, race, status), ``chat_view`` (the conversation as inert, escaped
-HTML) and ``preset_view``. The models come from a ``ModelHost``, which the app is given; nothing
-here touches tensors.
+``render`` (tokens, readout, race, status), ``chat_view`` (the conversation: Markdown rendered
+by ``markdown`` into HTML that cannot fetch, and the verbatim text) and ``preset_view``. The
+models come from a ``ModelHost``, which the app is given; nothing here touches tensors.
 """
 
 from __future__ import annotations

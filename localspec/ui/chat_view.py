@@ -1,38 +1,54 @@
-"""The conversation as inert, escaped HTML: what a message says is shown, never interpreted.
+"""The conversation as HTML that cannot fetch or run anything: answers rendered as Markdown,
+every message also kept verbatim, and its source kept for Copy.
 
-Why not ``gr.Chatbot``: in Gradio 6.31 it renders every message as Markdown/HTML (an image in
-an answer is fetched: the answer can leak the conversation to any server), and its options
-cannot fix that without breaking something else. ``render_markdown=False`` still hands the text
-to the browser as HTML (``<b>`` turns bold, ``<img>`` loads); ``allow_tags`` escapes only the
-tags it is given (``i<n`` in code then swallows the rest of the answer); escaping the text
-ourselves makes its copy buttons copy ``&lt;b&gt;``, since they copy the stored value.
+Why not ``gr.Chatbot``: in Gradio 6.31 it renders every message as Markdown/HTML of its own
+making (an image in an answer is fetched: the answer can leak the conversation to any server),
+and its options cannot fix that without breaking something else. ``render_markdown=False``
+still hands the text to the browser as HTML (``<b>`` turns bold, ``<img>`` loads);
+``allow_tags`` escapes only the tags it is given (``i<n`` in code then swallows the rest of the
+answer); escaping the text ourselves makes its copy buttons copy ``&lt;b&gt;``, since they copy
+the stored value.
 
-So the chat is a ``gr.HTML`` whose every character of message text goes through
-``html.escape``: the only elements on the page are the ones this module writes (no ``src``, no
-``href``, no ``style``), so nothing in a message can make the browser fetch anything. Whitespace
-is kept by CSS (``pre-wrap``); fenced code blocks are set off in monospace, fences included, so
-the text of each message (its ``textContent``) is exactly what was said, and the copy buttons
-(``CHAT_JS``) copy that. Conversation state lives in a ``gr.State`` of plain-text messages;
-this HTML is only its view. No Gradio here: pure functions, tested without a browser.
+So the chat is a ``gr.HTML`` written here. Each message carries two views: ``.ls-msg-md``, its
+Markdown rendered by ``localspec.ui.markdown`` (links only to http(s)/mailto and only on click,
+images as links, raw HTML as text, code highlighted by class), and ``.ls-msg-text``, every
+character through ``html.escape`` with whitespace kept by CSS (``pre-wrap``) and fenced code
+set off in monospace, fences included, so that its ``textContent`` is exactly what was said.
+Which view shows is CSS over two attributes of the ``#ls-chat`` element, set in the browser by
+the page's checkboxes (``toggle_js``): answers show rendered unless ``data-ls-raw`` is set; the
+user's own messages show verbatim (what was typed, ``__init__`` and ``2*3*4`` included) unless
+``data-ls-md-mine`` is set. Toggling needs no round trip and holds while an answer streams.
+
+Copy copies the source, never the rendered text: each message holds it in a ``data-ls-source``
+attribute (escaped, carriage returns as ``&#13;`` so the HTML parser keeps them), and a code
+block's Copy copies its code's ``textContent``, which is exactly the code. An attribute value
+is text to the browser: it cannot load or run anything. While an answer streams, only its last
+message is rendered in streaming mode (``render_markdown(streaming=True)``: half-typed markup
+is held back rather than shown and reshaped). Conversation state lives in a ``gr.State`` of
+plain-text messages; this HTML is only its view. No Gradio here: pure functions, tested
+without a browser.
 """
 
 from __future__ import annotations
 
 import html
-import re
 from collections.abc import Mapping, Sequence
+
+from localspec.ui.markdown import CLOSING_FENCE, MARKDOWN_CSS, code_segments, render_markdown
+
+__all__ = ["CHAT_CSS", "CHAT_JS", "chat_html", "code_segments", "message_html", "notice_html",
+           "text_html", "toggle_js"]
 
 ROLE_LABELS = {"user": "You", "assistant": "LocalSpec"}
 EMPTY_TEXT = "No messages yet. Enter sends; Shift+Enter starts a new line."
-# A fence opens a code block: up to 3 spaces, then 3+ backticks or tildes (CommonMark).
-_FENCE = re.compile(r" {0,3}(`{3,}|~{3,})")
-_CLOSING = re.compile(r" {0,3}(`{3,}|~{3,})[ \t]*(\r\n|\r|\n)?")
+RAW_ATTRIBUTE = "data-ls-raw"  # on #ls-chat: every message verbatim
+MARKDOWN_MINE_ATTRIBUTE = "data-ls-md-mine"  # on #ls-chat: the user's messages rendered too
 
 CHAT_CSS = """
 #ls-chat .ls-chat { border: 1px solid var(--border-color-primary); border-radius: 8px; }
 #ls-chat .ls-chat-bar { display: flex; justify-content: space-between; align-items: center;
   padding: 4px 8px; font-size: 0.85em; border-bottom: 1px solid var(--border-color-primary); }
-#ls-chat .ls-chat-log { height: 360px; overflow-y: auto; display: flex;
+#ls-chat .ls-chat-log { height: max(360px, 55vh); overflow-y: auto; display: flex;
   flex-direction: column-reverse; padding: 6px 8px; }
 #ls-chat .ls-msg { margin: 6px 0; padding: 6px 10px; border-radius: 8px; max-width: 92%; }
 #ls-chat .ls-user { background: var(--background-fill-secondary); margin-left: auto; }
@@ -51,13 +67,18 @@ CHAT_CSS = """
   border: 1px solid var(--border-color-primary); background: transparent; }
 #ls-chat .ls-copy[data-copied] { background: #bbf7d0; }
 #ls-chat .ls-chat-empty, #ls-chat .ls-pending { opacity: 0.6; font-style: italic; }
-"""
+#ls-chat .ls-msg-md { display: none; }
+#ls-chat:not([data-ls-raw]) .ls-assistant > .ls-msg-md,
+#ls-chat[data-ls-md-mine]:not([data-ls-raw]) .ls-user > .ls-msg-md { display: block; }
+#ls-chat:not([data-ls-raw]) .ls-assistant > .ls-msg-text,
+#ls-chat[data-ls-md-mine]:not([data-ls-raw]) .ls-user > .ls-msg-text { display: none; }
+""" + MARKDOWN_CSS
 
 # Runs once when the page loads (gr.HTML's ``js_on_load``; ``element`` is the component). One
 # listener for every copy button, present and future: the HTML is re-rendered as the answer
-# streams. It copies ``textContent``, i.e. the message text exactly as said, never markup.
+# streams. A message's button copies its source (``data-ls-source``), a code block's its code.
 CHAT_JS = """
-const textOf = (message) => message.querySelector('.ls-msg-text').textContent;
+const sourceOf = (message) => message.dataset.lsSource;
 async function copyText(text) {
   if (navigator.clipboard && window.isSecureContext) {
     await navigator.clipboard.writeText(text);
@@ -78,9 +99,11 @@ element.addEventListener('click', async (event) => {
   let text;
   if (button.dataset.lsCopy === 'all') {
     const messages = Array.from(element.querySelectorAll('.ls-msg'));
-    text = messages.map((m) => m.dataset.label + ':\\n' + textOf(m)).join('\\n\\n');
+    text = messages.map((m) => m.dataset.label + ':\\n' + sourceOf(m)).join('\\n\\n');
+  } else if (button.dataset.lsCopy === 'code') {
+    text = button.closest('.ls-codeblock').querySelector('code').textContent;
   } else {
-    text = textOf(button.closest('.ls-msg'));
+    text = sourceOf(button.closest('.ls-msg'));
   }
   try {
     await copyText(text);
@@ -93,32 +116,11 @@ element.addEventListener('click', async (event) => {
 """
 
 
-def code_segments(text: str) -> list[tuple[str, bool]]:
-    """``text`` cut into (piece, is_code): fenced code blocks, fence lines included, and the
-    prose between them. The pieces join to exactly ``text`` (an unclosed fence runs to the
-    end, as in CommonMark)."""
-    segments: list[tuple[str, bool]] = []
-    current: list[str] = []
-    fence: str | None = None
-    for line in text.splitlines(keepends=True):
-        if fence is None:
-            opening = _FENCE.match(line)
-            if opening is not None:
-                if current:
-                    segments.append(("".join(current), False))
-                current, fence = [line], opening.group(1)
-            else:
-                current.append(line)
-            continue
-        current.append(line)
-        closing = _CLOSING.fullmatch(line)
-        if (closing is not None and closing.group(1)[0] == fence[0]
-                and len(closing.group(1)) >= len(fence)):
-            segments.append(("".join(current), True))
-            current, fence = [], None
-    if current:
-        segments.append(("".join(current), fence is not None))
-    return segments
+def toggle_js(attribute: str) -> str:
+    """A checkbox's client-side ``change`` handler: sets ``attribute`` (``RAW_ATTRIBUTE`` or
+    ``MARKDOWN_MINE_ATTRIBUTE``) on ``#ls-chat`` while ticked; the chat's CSS does the rest."""
+    return ("(on) => { const chat = document.getElementById('ls-chat'); "
+            f"if (chat) chat.toggleAttribute('{attribute}', Boolean(on)); return []; }}")
 
 
 def _code_html(block: str) -> str:
@@ -126,7 +128,7 @@ def _code_html(block: str) -> str:
     lines = block.splitlines(keepends=True)
     first, rest = lines[0], lines[1:]
     last = ""
-    if rest and _CLOSING.fullmatch(rest[-1]):
+    if rest and CLOSING_FENCE.fullmatch(rest[-1]):
         last, rest = rest[-1], rest[:-1]
     fence = f'<span class="ls-fence">{html.escape(first)}</span>'
     closing = f'<span class="ls-fence">{html.escape(last)}</span>' if last else ""
@@ -139,29 +141,42 @@ def text_html(text: str) -> str:
                    for piece, is_code in code_segments(text))
 
 
-def message_html(role: str, text: str) -> str:
-    """One message with its copy button. The role picks a fixed label and class; it is never
+def source_attribute(text: str) -> str:
+    """``text`` as an attribute value the browser reads back exactly (carriage returns too)."""
+    return html.escape(text, quote=True).replace("\r", "&#13;")
+
+
+def message_html(role: str, text: str, streaming: bool = False) -> str:
+    """One message: its copy button, its source, its views (rendered, verbatim); ``streaming``:
+    the text is an answer still coming. The role picks a fixed label and class; it is never
     written into the page itself."""
     label = ROLE_LABELS.get(role, "Other")
     kind = role if role in ROLE_LABELS else "other"
-    return (f'<div class="ls-msg ls-{kind}" data-label="{label}">'
+    rendered = ("" if kind == "other" else
+                f'<div class="ls-msg-md">{render_markdown(text, streaming)}</div>')
+    return (f'<div class="ls-msg ls-{kind}" data-label="{label}" '
+            f'data-ls-source="{source_attribute(text)}">'
             f'<div class="ls-msg-head"><span>{label}</span>'
             '<button type="button" class="ls-copy" data-ls-copy="one" '
-            'title="Copy this message as plain text">Copy</button></div>'
-            f'<div class="ls-msg-text">{text_html(text)}</div></div>')
+            'title="Copy this message as written">Copy</button></div>'
+            f'{rendered}<div class="ls-msg-text">{text_html(text)}</div></div>')
 
 
-def chat_html(history: Sequence[Mapping[str, str]], pending: bool = False) -> str:
-    """The whole conversation; ``pending``: an answer is on its way (no token yet)."""
-    body = "".join(message_html(str(m.get("role", "")), str(m.get("content", "")))
-                   for m in history)
+def chat_html(history: Sequence[Mapping[str, str]], pending: bool = False,
+              streaming: bool = False) -> str:
+    """The whole conversation; ``pending``: an answer is on its way (no token yet);
+    ``streaming``: the last message, if the assistant's, is an answer still coming."""
+    last = len(history) - 1
+    body = "".join(message_html(role := str(m.get("role", "")), str(m.get("content", "")),
+                                streaming and i == last and role == "assistant")
+                   for i, m in enumerate(history))
     if not history:
         body = f'<div class="ls-chat-empty">{html.escape(EMPTY_TEXT)}</div>'
     if pending:
         body += '<div class="ls-pending">LocalSpec is answering…</div>'
-    bar = ('<div class="ls-chat-bar"><span>Conversation (plain text: nothing in a message is '
-           'interpreted)</span><button type="button" class="ls-copy" data-ls-copy="all" '
-           'title="Copy the whole conversation as plain text">Copy all</button></div>')
+    bar = ('<div class="ls-chat-bar"><span>Conversation (nothing in a message can load or run '
+           'anything)</span><button type="button" class="ls-copy" data-ls-copy="all" '
+           'title="Copy the whole conversation as written">Copy all</button></div>')
     return (f'<div class="ls-chat">{bar}<div class="ls-chat-log"><div class="ls-chat-inner">'
             f"{body}</div></div></div>")
 

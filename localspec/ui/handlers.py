@@ -232,7 +232,8 @@ class ChatApp:
             if answer.done:
                 break
             history = self._with_answer(turn.messages, answer.text)
-            yield view(ChatView, history=history, chat=chat_html(history, history is turn.messages),
+            yield view(ChatView, history=history,
+                        chat=chat_html(history, history is turn.messages, streaming=True),
                         tokens=spans_html(answer.spans, s.show_rejected),
                         stats=stats_html(answer.live), spans=list(answer.spans))
         shown = {"tokens": spans_html(answer.spans, s.show_rejected),

@@ -23,7 +23,13 @@ import gradio as gr
 
 from localspec.config import SLIDER_MAX, RequestSettings
 from localspec.registry import drafters
-from localspec.ui.chat_view import CHAT_JS, chat_html
+from localspec.ui.chat_view import (
+    CHAT_JS,
+    MARKDOWN_MINE_ATTRIBUTE,
+    RAW_ATTRIBUTE,
+    chat_html,
+    toggle_js,
+)
 from localspec.ui.handlers import ChatApp
 from localspec.ui.render import legend_html, spans_html
 from localspec.ui.views import ChatView, RaceView, Settings, SwitchView
@@ -139,6 +145,7 @@ def _chat_column() -> ChatTab:
         stop = gr.Button("Stop", variant="stop", elem_id="ls-stop")
         regenerate = gr.Button("Regenerate", elem_id="ls-regenerate")
         clear = gr.Button("Clear", elem_id="ls-clear")
+    _view_toggles()
     notice = gr.HTML("", elem_id="ls-notice", js_on_load=None)
     gr.Markdown("**The last answer, token by token** (hover a token: step, p under the "
                 "target, q under the drafter)")
@@ -147,6 +154,19 @@ def _chat_column() -> ChatTab:
     summary = gr.HTML("", elem_id="ls-summary", js_on_load=None)
     return ChatTab(gr.State([]), chat, message, send, stop, regenerate, clear, notice, tokens,
                    summary, gr.State([]))
+
+
+def _view_toggles() -> None:
+    """How the chat shows messages: switched in the browser (``chat_view.toggle_js`` sets an
+    attribute the chat's CSS reads), so a switch is instant, holds while an answer streams and
+    needs no handler."""
+    with gr.Row():
+        for label, attribute, elem_id in (
+                ("show raw text", RAW_ATTRIBUTE, "ls-raw"),
+                ("render my messages as Markdown", MARKDOWN_MINE_ATTRIBUTE, "ls-md-mine")):
+            box = gr.Checkbox(False, label=label, elem_id=elem_id, container=False)
+            box.change(None, box, None, js=toggle_js(attribute), queue=False,
+                       show_progress="hidden")
 
 
 @dataclass
