@@ -271,9 +271,9 @@ class ChatStore:
                 in rows)
         return Conversation(title, messages, uid, created, updated, conversation)
 
-    def list(self, text: str = "", limit: int = MAX_CHATS_LISTED) -> list[Summary]:
-        """The conversations newest first (by their last message); with ``text``, only those
-        whose title or a message holds it (any case)."""
+    def list(self, text: str = "", limit: int | None = MAX_CHATS_LISTED) -> list[Summary]:
+        """The conversations newest first (by their last message), at most ``limit`` (None: all);
+        with ``text``, only those whose title or a message holds it (any case)."""
         where, args = "c.deleted_ms IS NULL", []
         if text.strip():
             needle = check_unicode(text.strip(), "the search", ChatStoreError).casefold()
@@ -284,7 +284,8 @@ class ChatStore:
             rows = conn.execute(
                 "SELECT c.id, c.title, c.created_ms, c.updated_ms, (SELECT COUNT(*) FROM "
                 f"messages m WHERE m.conversation_id = c.id) FROM conversations c WHERE {where} "
-                "ORDER BY c.updated_ms DESC, c.id DESC LIMIT ?", (*args, limit)).fetchall()
+                "ORDER BY c.updated_ms DESC, c.id DESC LIMIT ?",
+                (*args, -1 if limit is None else limit)).fetchall()
         return [Summary(*row) for row in rows]
 
     def rename(self, conversation: int, title: str) -> str:
