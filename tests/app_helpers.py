@@ -1,9 +1,9 @@
 """What the app's test modules share: the controls' values as one ``Settings``, a handler's last
 update by output name (``ended``: with the saved conversation's id it gave), Gradio's "leave
 it alone" value, a conversation to continue, and a pipeline's ``stream`` swapped for one that
-fails after some events or says a given text (the browser tests use that one too). Their shared fixtures (the tiny presets and app, the check
-that nothing is logged at ERROR) are in conftest: pytest shares a fixture across modules only
-from there."""
+fails after some events or says a given text (the browser tests use that one too). Their shared
+fixtures (the tiny presets and app, the check that nothing is logged at ERROR) are in conftest:
+pytest shares a fixture across modules only from there."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ Plain functions over a ``ChatApp`` and its ``ChatStore``, returning views (``Pan
 ``ChatView`` for what changes the chat): tests call them without a browser, ``chats_panel``
 wires them. Opening a conversation (or starting a new one, or deleting the open one) first stops
 this tab's running answer, as Clear does; the tab then holds the opened messages and id, and the
-next message continues that conversation with the preset now loaded (each answer keeps the
+next message continues that conversation with the loaded preset (each answer keeps the
 preset it was made with). Every failure a user can meet (a conversation deleted in another tab,
 a title too long, a file that is not an export, a store that stopped working) is said in the
 panel's status line; with no store at all, the panel says why nothing is saved and the chat
