@@ -14,18 +14,21 @@ from contextlib import contextmanager
 import uvicorn
 
 from localspec.api.server import create_api, root_app
+from localspec.chats.store import ChatStore
 from localspec.cli.serve import bind
 from localspec.config import API_MAX_QUEUED
 from localspec.host import ModelHost
 
 
 @contextmanager
-def serving(host: ModelHost, api_key: str | None = None,
-            max_queued: int = API_MAX_QUEUED) -> Iterator[str]:
-    """The API over ``host`` served on a free loopback port; yields its ``/v1`` URL."""
+def serving(host: ModelHost, api_key: str | None = None, max_queued: int = API_MAX_QUEUED,
+            store: ChatStore | None = None) -> Iterator[str]:
+    """The API over ``host`` (saving chat requests in ``store``, if given) served on a free
+    loopback port; yields its ``/v1`` URL."""
     sock = bind("127.0.0.1", 0)
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(root_app(create_api(host, api_key, max_queued)),
+    api = create_api(host, api_key, max_queued, store)
+    server = uvicorn.Server(uvicorn.Config(root_app(api),
                                            log_level="warning", timeout_graceful_shutdown=1))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

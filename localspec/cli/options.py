@@ -150,6 +150,9 @@ def add_serve(sub: argparse._SubParsersAction, handler: Handler) -> None:
     serve.add_argument("--max-queued", type=count(1024), default=API_MAX_QUEUED,
                        help="requests held at once, waiting or generating; one more is "
                             f"answered 429 (default {API_MAX_QUEUED})")
+    serve.add_argument("--save-chats", action="store_true",
+                       help="save each chat request and its answer with the app's "
+                            f"conversations (${DATA_ENV}/{CHATS_FILE}; off by default)")
     serve.set_defaults(func=handler)
 
 

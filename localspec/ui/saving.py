@@ -18,34 +18,19 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from localspec.chats.answers import AnswerSaver
+from localspec.chats.answers import AnswerSaver, answer_settings, answer_summary
 from localspec.chats.store import ChatStore, Message
-from localspec.engine.engine import GenerationRequest
 from localspec.errors import ChatStoreError
 from localspec.ui.streaming import Answer
 from localspec.ui.views import Turn
 
 logger = logging.getLogger(__name__)
-
-
-def answer_settings(request: GenerationRequest, method: str, system: str) -> dict[str, Any]:
-    """The settings an answer was made with, as validated for its generation."""
-    s = request.sampling
-    return {"method": method, "temperature": s.temperature, "top_p": s.top_p,
-            "top_k": s.top_k, "max_new_tokens": request.max_new_tokens,
-            "num_speculative_tokens": request.num_speculative_tokens,
-            "adaptive": request.adaptive, "seed": request.seed, "system": system}
+__all__ = ["TurnSaver", "answer_settings", "answer_stats"]
 
 
 def answer_stats(answer: Answer) -> dict[str, Any]:
-    """An answer's speculation summary (the keys ``localspec.chats.export`` shows)."""
-    s = answer.live.stats
-    return {"method": answer.live.method, "new_tokens": s.new_tokens,
-            "tokens_per_second": round(s.tokens_per_second, 3),
-            "acceptance_rate": round(s.acceptance_rate, 4) if s.drafted else None,
-            "tokens_per_pass": round(s.mean_accepted_length, 3), "drafted": s.drafted,
-            "accepted": s.accepted, "target_passes": s.target_forward_passes,
-            "wall_time_s": round(s.wall_time, 3)}
+    """An answer's speculation summary (``localspec.chats.answers.answer_summary``)."""
+    return answer_summary(answer.live.method, answer.live.stats)
 
 
 class TurnSaver:
