@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from localspec.chats import schema
 from localspec.chats.store import ChatStore, Message
 from localspec.config import DATA_ENV, chats_path, data_root
 from localspec.errors import ChatStoreError
@@ -116,6 +117,35 @@ def test_the_wal_and_shm_files_go_with_it(tmp_path: Path) -> None:
     # the -wal file holds the last transactions: kept as it was; -shm is SQLite's scratch index
     assert Path(f"{aside}-wal").read_bytes() == beside["-wal"]
     assert Path(f"{aside}-shm").exists()
+
+
+def test_a_file_another_process_set_aside_meanwhile_is_left_alone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two processes find the same damaged file; the other one sets it aside and starts a fresh
+    database first: this one opens that fresh database instead of moving it aside too."""
+    path = tmp_path / "chats.db"
+    random_bytes(path)
+    real = schema._connect
+    calls = []
+
+    def racing(where: Path, busy_timeout_s: float) -> sqlite3.Connection:
+        calls.append(where)
+        if len(calls) > 1:
+            return real(where, busy_timeout_s)
+        with pytest.raises(sqlite3.DatabaseError, match="not a database"):
+            real(where, busy_timeout_s)  # found damaged here...
+        schema.set_aside(where)  # ...and meanwhile the other process moves it, starts afresh
+        other, _ = schema.connect(where)
+        other.execute("INSERT INTO conversations (uid, title, created_ms, updated_ms) VALUES "
+                      "('theirs', 'the other process', 1, 1)")
+        other.close()
+        raise schema.DamagedDatabase("SQLite found it damaged")
+
+    monkeypatch.setattr(schema, "_connect", racing)
+    with ChatStore(path) as store:
+        assert store.set_aside_to is None  # this process moved nothing
+        assert [s.title for s in store.list()] == ["the other process"]
+    assert len(list(tmp_path.glob("chats.db.damaged-*[0-9]"))) == 1
 
 
 def test_set_aside_twice_keeps_both(tmp_path: Path) -> None:

@@ -192,18 +192,31 @@ def _unavailable(path: Path, why: object) -> ChatStoreError:
                           "folder you can write)")
 
 
+def _identity(path: Path) -> tuple[int, int, int] | None:
+    """Which file ``path`` is (inode, size, modification time); None if there is none."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return info.st_ino, info.st_size, info.st_mtime_ns
+
+
 def connect(path: Path, busy_timeout_s: float = CHATS_BUSY_TIMEOUT_S
             ) -> tuple[sqlite3.Connection, Path | None]:
     """The database at ``path``, created, migrated and checked; and where a damaged file was
     moved (None if there was none). ``ChatStoreError`` when the folder cannot be written or the
-    file cannot be opened for a reason that is not damage (a lock held past the timeout)."""
+    file cannot be opened for a reason that is not damage (a lock held past the timeout).
+
+    Two processes may find the same damaged file at once: a file is set aside only if it is
+    still the one found damaged, so the second never moves the first one's fresh database."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise _unavailable(path, f"cannot create the folder {path.parent} "
                                  f"({exc.strerror or exc})") from exc
     aside: Path | None = None
-    while True:
+    for _ in range(3):
+        found = _identity(path)
         try:
             return _connect(path, busy_timeout_s), aside
         except DamagedDatabase as exc:
@@ -214,6 +227,8 @@ def connect(path: Path, busy_timeout_s: float = CHATS_BUSY_TIMEOUT_S
             reason = str(exc)
         if aside is not None:  # a fresh file failing too is no damage of the file's own
             raise _unavailable(path, f"a fresh database fails too: {reason}")
+        if _identity(path) != found:  # another process set it aside (or replaced it): look again
+            continue
         try:
             aside = set_aside(path)
         except OSError as exc:
@@ -221,3 +236,4 @@ def connect(path: Path, busy_timeout_s: float = CHATS_BUSY_TIMEOUT_S
                                      f"aside ({exc.strerror or exc})") from exc
         logger.warning("%s: %s; moved it to %s and started a fresh database", path, reason,
                        aside)
+    raise _unavailable(path, "the file keeps changing while it is checked")
