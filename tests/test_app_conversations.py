@@ -183,3 +183,31 @@ def test_the_panel_is_on_the_page(panel: Conversations) -> None:
             "ls-chat-import", "ls-chat-file", "ls-chats-status"} <= ids
     radio = next(c for c in demo.blocks.values() if c.elem_id == "ls-chats")
     assert isinstance(radio, gr.Radio)
+
+
+def test_the_app_starts_without_saving_when_the_folder_cannot_be_written(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """``app.py`` over a data folder it cannot make: no store, the reason handed to the page
+    (whose status line says it, as above), a warning in the log, and the app still served."""
+    from localspec.host import ModelHost
+    from localspec.ui import app as app_module
+    from localspec.ui.launch import main
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x", encoding="utf-8")
+    monkeypatch.setenv("LOCALSPEC_DATA", str(blocker / "data"))
+    monkeypatch.setattr(ModelHost, "load_async", lambda self, key: None)
+    given: dict[str, object] = {}
+    launched: list[gr.Blocks] = []
+
+    def build_app(*args: object, **kwargs: object) -> gr.Blocks:
+        given.update(kwargs)
+        return gr.Blocks()
+
+    monkeypatch.setattr(app_module, "build_app", build_app)
+    monkeypatch.setattr(gr.Blocks, "launch", lambda self, **_kwargs: launched.append(self))
+    main(["--no-browser"])
+    assert launched and given["store"] is None
+    assert "cannot create the folder" in str(given["store_problem"])
+    assert "conversations cannot be saved" in caplog.text
