@@ -97,11 +97,11 @@ def test_new_rename_delete_and_undo(panel: Conversations) -> None:
     chat, side = split(panel.delete(first, "s"))
     assert chat["history"] == [] and chat["conversation"] is None
     assert "Deleted 'Adding numbers'." in side["status"] and side["deleted"] == first
-    assert side["undo"].visible is True
+    assert side["undo"]["visible"] is True
     assert [value for _, value in choices(side)] == [second]
     chat, side = split(panel.undo(first, "s"))
     assert chat["conversation"] == first and len(chat["history"]) == 2
-    assert "Restored 'Adding numbers'." in side["status"] and side["undo"].visible is False
+    assert "Restored 'Adding numbers'." in side["status"] and side["undo"]["visible"] is False
     assert side["deleted"] is None
     assert [value for _, value in choices(side)] == [second, first]  # back in its place
     panel.store.delete(second)  # in another tab

@@ -72,7 +72,7 @@ def _title(text: str) -> str:
 
 
 _STRICT = ConfigDict(extra="forbid", strict=True, frozen=True)
-Time = Annotated[str, AfterValidator(_ms)]
+Time = Annotated[str, AfterValidator(_ms)]  # an ISO 8601 time in, milliseconds since the epoch out
 Details = Annotated[dict[str, Any] | None, AfterValidator(_details)]
 
 

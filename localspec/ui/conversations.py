@@ -32,7 +32,11 @@ from localspec.ui.render import spans_html
 from localspec.ui.views import ChatView, PanelView, view
 
 FORMATS = {"md": "Markdown", "json": "JSON"}
-HIDDEN = gr.Button(visible=False)
+
+
+def shown(visible: bool) -> Any:
+    """An update that shows or hides a button (the Undo button)."""
+    return gr.update(visible=visible)
 
 
 def status_html(text: str) -> str:
@@ -100,7 +104,7 @@ class Conversations:
         messages = [{"role": m.role, "content": m.content} for m in c.messages]
         chat = ChatView(messages, chat_html(messages), gr.skip(), spans_html([]), "", "", "",
                         [], c.id)
-        return (*chat, *self.listing(search, c.id, status=status_html(says), undo=HIDDEN,
+        return (*chat, *self.listing(search, c.id, status=status_html(says), undo=shown(False),
                                      **fields))
 
     def open(self, conversation: int | None, session: str = "local",
@@ -124,7 +128,7 @@ class Conversations:
 
     def new(self, session: str = "local", search: str | None = "") -> tuple:
         """A new conversation in this tab (the open one stays saved)."""
-        return (*self.app.clear(session), *self.listing(search, None, undo=HIDDEN))
+        return (*self.app.clear(session), *self.listing(search, None, undo=shown(False)))
 
     def delete(self, conversation: int | None, session: str = "local",
                search: str | None = "") -> tuple:
@@ -139,19 +143,19 @@ class Conversations:
             return (*view(ChatView), *view(PanelView, status=status_html(f"⚠ {exc}")))
         return (*self.app.clear(session), *self.listing(
             search, None, status=status_html(f"Deleted '{title}'."), deleted=conversation,
-            undo=gr.Button(visible=True)))
+            undo=shown(True)))
 
     def undo(self, deleted: int | None, session: str = "local",
              search: str | None = "") -> tuple:
         """Bring back the conversation this tab deleted last, and open it."""
         if self.store is None or deleted is None:
-            return (*view(ChatView), *view(PanelView, undo=HIDDEN))
+            return (*view(ChatView), *view(PanelView, undo=shown(False)))
         try:
             self.store.restore(deleted)
             c = self.store.get(deleted)
         except LocalSpecError as exc:
             return (*view(ChatView), *view(PanelView, status=status_html(f"⚠ {exc}"),
-                                           undo=HIDDEN))
+                                           undo=shown(False)))
         self.app.clear(session)
         return self._opened(c, search, f"Restored '{c.title}'.", deleted=None)
 
