@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
+from platformdirs import user_data_dir
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -97,6 +98,26 @@ def cache_root() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "localspec"
 
 
+# The user's own data (saved conversations): not the cache, which a user may delete to free
+# space. ``LOCALSPEC_DATA`` moves it; else the platform's user data folder.
+DATA_ENV = "LOCALSPEC_DATA"
+CHATS_FILE = "chats.db"  # SQLite, WAL mode (localspec/chats/)
+
+
+def data_root() -> Path:
+    """Where the user's data lives: ``$LOCALSPEC_DATA``, else the platform's user data folder
+    (``~/.local/share/localspec`` on Linux)."""
+    env = os.environ.get(DATA_ENV)
+    if env:
+        return Path(env).expanduser()
+    return Path(user_data_dir("localspec", appauthor=False))
+
+
+def chats_path() -> Path:
+    """The saved conversations' database file."""
+    return data_root() / CHATS_FILE
+
+
 # ----------------------------------------------------------------------------- limits
 
 MAX_SPECULATIVE_TOKENS = 32  # the most drafts one target pass verifies
@@ -128,6 +149,20 @@ API_MAX_STOP = 4  # stop strings per request, as OpenAI allows
 API_MAX_TEMPERATURE = 2.0  # OpenAI's range
 API_RETRY_AFTER_S = 5  # what a 429 or a 503 (models loading) asks a client to wait
 API_KEY_ENV = "LOCALSPEC_API_KEY"  # read when --api-key is not given
+# Saved conversations (localspec/chats/).
+MAX_CHAT_TITLE_CHARS = 200  # a title the user gives (rename, import)
+CHAT_TITLE_FROM_MESSAGE_CHARS = 60  # a new conversation's title: its first message, cut here
+# The most one message may hold: far beyond an answer (MAX_NEW_TOKENS tokens are ~150k
+# characters) or a pasted file a model's context takes; a bound on what an import can store.
+MAX_CHAT_MESSAGE_CHARS = 4 * 2**20
+MAX_CHAT_MESSAGES = 100_000  # per conversation, in an import
+MAX_CHATS_LISTED = 500  # the newest conversations the side list and `chats list` show
+# A streaming answer is written to the database after this many new tokens or seconds,
+# whichever comes first (each write is a short transaction), and once more when it ends.
+CHAT_SAVE_EVERY_TOKENS = 32
+CHAT_SAVE_EVERY_S = 0.5
+CHATS_BUSY_TIMEOUT_S = 10.0  # how long a write waits for another process's transaction
+CHATS_PURGE_AFTER_S = 7 * 24 * 3600  # a deleted conversation can be restored for a week
 
 SpecTokens = Annotated[int, Field(ge=1, le=MAX_SPECULATIVE_TOKENS)]
 LookupN = Annotated[int, Field(ge=1, le=MAX_LOOKUP_NGRAM)]

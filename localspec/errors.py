@@ -32,3 +32,12 @@ class InputFileError(LocalSpecError):
 
 class ModelLoadError(LocalSpecError):
     """A model could not be found, assembled, converted or loaded; the message says what to do."""
+
+
+class ChatStoreError(LocalSpecError):
+    """The saved conversations cannot be used as asked: a folder that cannot be written, a
+    database another process holds too long, a title or an import that is not valid."""
+
+
+class ChatNotFoundError(ChatStoreError):
+    """No saved conversation has the id given (or it was deleted)."""

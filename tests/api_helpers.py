@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from localspec.api.local_server import serve_in_thread
 
-# serving(host, api_key=None, max_queued=API_MAX_QUEUED): the API over ``host`` on a free
-# loopback port while the block runs; yields its ``/v1`` URL.
+# serving(host, api_key=None, max_queued=API_MAX_QUEUED, store=None): the API over ``host``
+# (saving chat requests in ``store``, if given) on a free loopback port while the block runs;
+# yields its ``/v1`` URL.
 serving = serve_in_thread

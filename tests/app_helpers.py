@@ -1,13 +1,13 @@
 """What the app's test modules share: the controls' values as one ``Settings``, a handler's last
-update by output name, Gradio's "leave it alone" value, a conversation to continue, and a
-pipeline's ``stream`` swapped for one that fails after some events or says a given text (the
-browser test uses that one too). Their shared fixtures (the tiny presets and app, the check
-that nothing is logged at ERROR) are in conftest: pytest shares a fixture across modules only
-from there."""
+update by output name (``ended``: with the saved conversation's id it gave), Gradio's "leave
+it alone" value, a conversation to continue, and a pipeline's ``stream`` swapped for one that
+fails after some events or says a given text (the browser tests use that one too). Their shared
+fixtures (the tiny presets and app, the check that nothing is logged at ERROR) are in conftest:
+pytest shares a fixture across modules only from there."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import gradio as gr
 
@@ -31,6 +31,16 @@ def final(outputs: list[tuple], names: tuple[str, ...] = CHAT_OUTPUTS) -> dict[s
 
 def is_skip(value: object) -> bool:
     return value == gr.skip()
+
+
+def ended(outputs: Iterable[tuple]) -> dict[str, object]:
+    """A handler's last update by output name, with the conversation id it last gave the tab
+    (a later update leaves it as it is: ``gr.skip()``)."""
+    outputs = list(outputs)
+    out = final(outputs)
+    given = [o[CHAT_OUTPUTS.index("conversation")] for o in outputs]
+    out["conversation"] = [c for c in given if not is_skip(c)][-1]
+    return out
 
 
 def failing_stream(pipe: Pipeline, after: int, error: Exception) -> Callable[..., Iterator]:

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 import uvicorn
 
 from localspec.api.server import create_api, root_app
+from localspec.chats.store import ChatStore
 from localspec.config import API_MAX_QUEUED
 from localspec.host import ModelHost
 
@@ -39,13 +40,14 @@ def _loopback_socket() -> socket.socket:
 
 @contextmanager
 def serve_in_thread(host: ModelHost, api_key: str | None = None,
-                    max_queued: int = API_MAX_QUEUED) -> Iterator[str]:
+                    max_queued: int = API_MAX_QUEUED,
+                    store: ChatStore | None = None) -> Iterator[str]:
     """The API over ``host`` served on a free loopback port while the block runs; yields its
     ``/v1`` URL. The server is stopped (and its thread joined) on leaving the block; a server
     that does not start is a RuntimeError (a bug, not something a user can cause)."""
     sock = _loopback_socket()
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(root_app(create_api(host, api_key, max_queued)),
+    server = uvicorn.Server(uvicorn.Config(root_app(create_api(host, api_key, max_queued, store)),
                                            log_level="warning", timeout_graceful_shutdown=1))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True,
                               name=f"api-server-{port}")

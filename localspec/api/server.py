@@ -35,6 +35,7 @@ from localspec.api.errors import (
 )
 from localspec.api.schemas import ChatRequest, CompletionRequest, describe
 from localspec.api.service import ApiService, Generation, Job
+from localspec.chats.store import ChatStore
 from localspec.config import API_KEY_ENV, API_MAX_BODY_BYTES, API_MAX_QUEUED
 from localspec.errors import LocalSpecError
 from localspec.files import decode_text, parse_json
@@ -81,9 +82,10 @@ async def read_body(request: Request, model: type[ChatRequest] | type[Completion
 
 
 def create_api(host: ModelHost, api_key: str | None = None,
-               max_queued: int = API_MAX_QUEUED) -> FastAPI:
-    """The API over ``host`` (routes without the ``/v1`` prefix: mount it there)."""
-    service = ApiService(host, max_queued)
+               max_queued: int = API_MAX_QUEUED, store: ChatStore | None = None) -> FastAPI:
+    """The API over ``host`` (routes without the ``/v1`` prefix: mount it there), saving each
+    chat request in ``store`` when one is given."""
+    service = ApiService(host, max_queued, store)
 
     def authorize(request: Request) -> None:
         if api_key is None:

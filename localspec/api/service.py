@@ -7,6 +7,9 @@ one more is refused with 429 at once rather than left to hang. A generation stop
 speculation step of its client going away: a stream's consumer sets the cancel flag when the
 server closes it, a non-streaming request polls for the disconnect, and a consumer that is
 dropped without either lets go of the worker's only link to it (a weak reference).
+
+Given a ``ChatStore`` (``localspec serve --save-chats``; off by default), each chat request is
+saved as a conversation of its own as it is answered (``localspec.chats.answers``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from dataclasses import dataclass, field
 
 from localspec.api.errors import BadRequest, Busy, Loading, NotFound, TooLarge
 from localspec.api.schemas import ChatRequest, CompletionRequest
+from localspec.chats.answers import SavedRequest, answer_settings, answer_summary
+from localspec.chats.store import ChatStore
 from localspec.config import API_MAX_QUEUED, Preset
 from localspec.engine.engine import GenerationRequest, StepEvent
 from localspec.engine.stats import GenerationStats
@@ -49,6 +54,7 @@ class Job:
     method: str
     want_tokens: bool
     stats: GenerationStats = field(default_factory=GenerationStats)
+    messages: list[dict[str, str]] | None = None  # a chat request's, to save
 
     @property
     def prompt_tokens(self) -> int:
@@ -64,9 +70,11 @@ def _model_ids(preset: Preset, key: str) -> set[str]:
 class ApiService:
     """Requests checked, admitted and run against ``host``'s loaded pipeline."""
 
-    def __init__(self, host: ModelHost, max_queued: int = API_MAX_QUEUED) -> None:
+    def __init__(self, host: ModelHost, max_queued: int = API_MAX_QUEUED,
+                 store: ChatStore | None = None) -> None:
         self.host = host
         self.max_queued = max_queued
+        self.store = store  # where chat requests are saved (None: nowhere)
         self._lock = threading.Lock()
         self._admitted = 0
 
@@ -137,7 +145,8 @@ class ApiService:
                            f"context holds {context}: shorten it", param="messages")
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         return Job(f"{prefix}-{secrets.token_hex(12)}", int(time.time()), body.model or active,
-                   pipeline, request, method, body.localspec.tokens)
+                   pipeline, request, method, body.localspec.tokens,
+                   messages=body.chat() if isinstance(body, ChatRequest) else None)
 
     @staticmethod
     def _raw_prompt(pipeline: Pipeline, prompt: str | list[str] | list[int]) -> list[int]:
@@ -195,12 +204,18 @@ class ApiService:
             try:
                 start = time.perf_counter()
                 job = link.job
+                saved, finish = self._saved(job), None
                 stream = job.pipeline.stream(job.request, job.method,
                                              cancelled=lambda: cancel.is_set() or link.gone())
                 for event in stream:
                     job.stats.add(event)
                     job.stats.wall_time = time.perf_counter() - start
+                    if saved is not None:
+                        saved.add(event.text_delta, len(event.tokens))
+                        finish = event.finish_reason or finish
                     link.put(event)
+                if saved is not None:
+                    saved.finish(finish, answer_summary(job.method, job.stats))
             finally:
                 self.host.generation_lock.release()
             link.put(_END)
@@ -211,6 +226,14 @@ class ApiService:
                 self.host.set_waiting(-1)
             self.host.end(session, cancel)
             self._leave()
+
+
+    def _saved(self, job: Job) -> SavedRequest | None:
+        """A chat request's record in the store, when requests are saved."""
+        if self.store is None or job.messages is None:
+            return None
+        return SavedRequest(self.store, job.messages, preset=self.host.status().active,
+                            settings=answer_settings(job.request, job.method))
 
 
 _END = object()

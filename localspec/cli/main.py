@@ -1,5 +1,5 @@
 """Command line: ``localspec generate | bench | verify | quality | presets | export-vllm |
-gpucheck | serve``.
+gpucheck | serve | chats``.
 
 Thin: parse flags, validate them against the preset (no model needed), load a preset into a
 Pipeline, call the engine, benchmark or checker, print. Every flag, method and prompt is checked
@@ -13,7 +13,9 @@ Neither can fail on what the text holds: the log is written with lone surrogates
 stdout, like Python's stderr, escapes them too (a file name that is not UTF-8 in a table or in
 JSON, where the escape is valid JSON) instead of raising mid-print.
 
-``localspec train-drafter`` trains an EAGLE, EAGLE-3 or Medusa head (``cli/train_drafter``).
+``localspec train-drafter`` trains an EAGLE, EAGLE-3 or Medusa head (``cli/train_drafter``);
+``localspec chats`` lists, shows, exports and imports the app's saved conversations
+(``cli/chats``).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from pathlib import Path
 from transformers.utils import logging as transformers_logging
 
 from localspec.cli.loading import load_pipeline
-from localspec.cli.options import add_gpucheck, add_serve, add_train_drafter, count
+from localspec.cli.options import add_chats, add_gpucheck, add_serve, add_train_drafter, count
 from localspec.config import (
     DEFAULT_PRESET,
     HARDWARE_LABELS,
@@ -183,6 +185,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return run_serve(args)
 
 
+def _cmd_chats(args: argparse.Namespace) -> int:
+    from localspec.cli.chats import run_chats
+
+    return run_chats(args)
+
+
 def _cmd_train_drafter(args: argparse.Namespace) -> int:
     from localspec.cli.train_drafter import run_train_drafter
 
@@ -262,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_gpucheck(sub, _cmd_gpucheck)
     add_train_drafter(sub, _cmd_train_drafter)
     add_serve(sub, _cmd_serve)
+    add_chats(sub, _cmd_chats)
     return parser
 
 

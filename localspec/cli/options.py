@@ -11,6 +11,8 @@ from localspec.config import (
     API_KEY_ENV,
     API_MAX_QUEUED,
     API_PORT,
+    CHATS_FILE,
+    DATA_ENV,
     DEFAULT_PRESET,
     MAX_NEW_TOKENS,
     MAX_SPECULATIVE_TOKENS,
@@ -148,4 +150,33 @@ def add_serve(sub: argparse._SubParsersAction, handler: Handler) -> None:
     serve.add_argument("--max-queued", type=count(1024), default=API_MAX_QUEUED,
                        help="requests held at once, waiting or generating; one more is "
                             f"answered 429 (default {API_MAX_QUEUED})")
+    serve.add_argument("--save-chats", action="store_true",
+                       help="save each chat request and its answer with the app's "
+                            f"conversations (${DATA_ENV}/{CHATS_FILE}; off by default)")
     serve.set_defaults(func=handler)
+
+
+def add_chats(sub: argparse._SubParsersAction, handler: Handler) -> None:
+    """``chats``' subcommands and flags (``cli/chats`` runs them)."""
+    chats = sub.add_parser("chats", help="list, show, export and import the app's saved "
+                                         f"conversations (in ${DATA_ENV}/{CHATS_FILE})")
+    verbs = chats.add_subparsers(dest="verb", required=True)
+    conversation = count(2**63 - 1)
+    listing = verbs.add_parser("list", help="the conversations, newest first")
+    listing.add_argument("--search", default="", metavar="TEXT",
+                         help="only those whose title or a message holds TEXT (any case)")
+    listing.add_argument("--json", action="store_true", help="print one JSON object")
+    show = verbs.add_parser("show", help="one conversation, as Markdown")
+    show.add_argument("id", type=conversation, metavar="ID", help="its id (`chats list`)")
+    show.add_argument("--json", action="store_true", help="print its JSON export instead")
+    export = verbs.add_parser("export", help="one conversation, or all, as Markdown or JSON")
+    export.add_argument("id", type=conversation, nargs="?", default=None, metavar="ID",
+                        help="its id (default: every conversation)")
+    export.add_argument("--format", choices=("md", "json"), default="md")
+    export.add_argument("--out", default=None, metavar="FILE",
+                        help="write to FILE (default: standard output)")
+    load = verbs.add_parser("import", help="add the conversations of a JSON export (those "
+                                           "already saved are skipped)")
+    load.add_argument("file", metavar="FILE")
+    for parser in (listing, show, export, load):
+        parser.set_defaults(func=handler)

@@ -3,6 +3,8 @@
 The port is bound and the preset file read before anything loads (a taken port or a typo costs
 no model load and ends with exit 2); the models then load in the background while the server
 already answers (503 with Retry-After until they are ready, so a client can wait for them).
+With ``--save-chats`` each chat request is saved with the app's conversations; a store that
+cannot be opened is then an error (exit 2), since saving was asked for.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import sys
 import threading
 
 from localspec.api.server import api_key, create_api, root_app
+from localspec.chats.store import ChatStore
 from localspec.errors import ConfigError
 from localspec.host import ModelHost
 from localspec.presets import load_preset
@@ -62,15 +65,18 @@ def run_serve(args: argparse.Namespace) -> int:
 
     load_preset(args.preset)  # a missing or broken preset: exit 2 before the port is taken
     key = api_key(args.api_key)
+    store = ChatStore() if args.save_chats else None
     sock = bind(args.host, args.port)
     model_host = ModelHost()
-    app = root_app(create_api(model_host, key, args.max_queued))
+    app = root_app(create_api(model_host, key, args.max_queued, store))
     model_host.load_async(args.preset)
     threading.Thread(target=_report_load, args=(model_host, args.preset), daemon=True).start()
     shown = f"[{args.host}]" if ":" in args.host else args.host
     print(f"localspec: OpenAI-compatible API at http://{shown}:{args.port}/v1 (preset "
           f"'{args.preset}', loading; {'an API key is needed' if key else 'no API key'})",
           file=sys.stderr, flush=True)
+    if store is not None:
+        print(f"localspec: saving chat requests in {store.path}", file=sys.stderr, flush=True)
     if not is_loopback(args.host) and key is None:
         print(f"localspec: warning: listening on {args.host} without an API key: anyone who "
               "can reach this machine can use it (set --api-key)", file=sys.stderr, flush=True)

@@ -17,6 +17,10 @@ is shown; a message comes back into the box with U+FFFD in their place, to edit 
 
 Concurrency: Gradio may run several sessions' handlers at once; the host's generation lock lets
 one generate, and the others say that they are waiting (and can be stopped while they wait).
+
+Saving: given a ``ChatStore``, each turn is saved as it happens (``saving.TurnSaver``) in the
+tab's conversation (``conversation``: its id, None for a new one), and every view of the turn
+carries that id back to the tab; the side panel's handlers are in ``conversations``.
 """
 
 from __future__ import annotations
@@ -29,10 +33,11 @@ from typing import Any
 
 import gradio as gr
 
+from localspec.chats.store import ChatStore
 from localspec.engine.engine import GenerationRequest, StepEvent
 from localspec.engine.spans import TokenSpan, TokenTexts
 from localspec.errors import LocalSpecError
-from localspec.files import count_lone_surrogates, replace_lone_surrogates
+from localspec.files import replace_lone_surrogates
 from localspec.host import ModelHost
 from localspec.models.hardware import Hardware, survey_presets
 from localspec.pipeline import Pipeline
@@ -48,6 +53,7 @@ from localspec.ui.render import (
     status_html,
     summary_html,
 )
+from localspec.ui.saving import TurnSaver, answer_settings
 from localspec.ui.streaming import Answer, follow
 from localspec.ui.views import (
     ChatView,
@@ -57,6 +63,7 @@ from localspec.ui.views import (
     SwitchView,
     Turn,
     View,
+    not_unicode,
     plain_history,
     view,
 )
@@ -74,8 +81,9 @@ class ChatApp:
     def __init__(self, host: ModelHost, hardware: Hardware, default_preset: str,
                  min_update_interval: float = 0.08,
                  clock: Callable[[], float] = time.perf_counter,
-                 stop_wait_s: float = STOP_WAIT_S) -> None:
+                 stop_wait_s: float = STOP_WAIT_S, store: ChatStore | None = None) -> None:
         self.host = host
+        self.store = store  # where conversations are saved (None: nowhere)
         self.hardware = hardware
         self.default_preset = default_preset
         self.min_update_interval = min_update_interval
@@ -141,11 +149,11 @@ class ChatApp:
     # ------------------------------------------------------------------ chat
 
     def chat(self, message: str | None, history: Sequence[dict] | None, settings: Settings,
-             session: str = "local") -> Iterator[ChatView]:
+             session: str = "local", conversation: int | None = None) -> Iterator[ChatView]:
         """Send ``message``; stream the conversation, token view and readout as tokens arrive."""
         before = plain_history(history)
         text = (message or "").strip()
-        refused = self._not_unicode(before, settings, message=message or "")
+        refused = not_unicode(before, settings, message=message or "")
         if refused is not None:  # a message that held any comes back shown as it would be sent
             shown = replace_lone_surrogates(message or "")
             yield view(ChatView, notice=notice_html(refused),
@@ -156,13 +164,14 @@ class ChatApp:
                 "Type a message first: an empty message has nothing to answer."))
             return
         turn = Turn([*before, {"role": "user", "content": text}], before, message or "")
-        yield from self._answer(turn, settings, session)
+        yield from self._answer(turn, settings, session, conversation)
 
     def regenerate(self, history: Sequence[dict] | None, settings: Settings,
-                   session: str = "local") -> Iterator[ChatView]:
+                   session: str = "local", conversation: int | None = None
+                   ) -> Iterator[ChatView]:
         """Answer the last user message again (the old answer comes back if this one fails)."""
         before = plain_history(history)
-        refused = self._not_unicode(before, settings)
+        refused = not_unicode(before, settings)
         if refused is not None:
             yield view(ChatView, notice=notice_html(refused))
             return
@@ -172,7 +181,7 @@ class ChatApp:
         if not messages:
             yield view(ChatView, notice=notice_html("Nothing to regenerate yet."))
             return
-        yield from self._answer(Turn(messages, before, None), settings, session)
+        yield from self._answer(Turn(messages, before, None), settings, session, conversation)
 
     def stop(self, session: str = "local", tab: str = "chat") -> str | dict[str, Any]:
         """Stop ``session``'s running (or waiting) generations in ``tab`` ("chat" or "race").
@@ -193,44 +202,49 @@ class ChatApp:
         that its last update cannot bring the old conversation back after this one."""
         if self.host.cancel(f"{session}/chat"):
             self.host.wait_ended(f"{session}/chat", CLEAR_WAIT_S)
-        return ChatView([], chat_html([]), "", spans_html([]), "", "", "", [])
+        return ChatView([], chat_html([]), "", spans_html([]), "", "", "", [], None)
 
     @staticmethod
     def rerender(spans: list[TokenSpan] | None, show_rejected: bool) -> str:
         return spans_html(spans or [], show_rejected)
 
-    def _answer(self, turn: Turn, s: Settings, session: str) -> Iterator[ChatView]:
+    def _answer(self, turn: Turn, s: Settings, session: str,
+                conversation: int | None) -> Iterator[ChatView]:
         session = f"{session}/chat"
         cancel = self.host.begin(session)
         try:
+            saver = TurnSaver(self.store, conversation, turn)
             yield view(ChatView, history=turn.messages, chat=chat_html(turn.messages, True),
                         message="" if turn.message is not None else gr.skip(),
-                        tokens=spans_html([]), summary="", notice="", spans=[])
+                        tokens=spans_html([]), summary="", notice="", spans=[],
+                        conversation=saver.conversation)
             why_not = yield from self._wait_turn(
                 cancel, lambda text: view(ChatView, notice=notice_html(text)))
             if why_not is not None:
-                yield self._restore(turn, why_not)
+                yield self._restore(turn, why_not, saver)
                 return
             try:
-                yield from self._stream_chat(self.host.pipeline, turn, s, cancel)
+                yield from self._stream_chat(self.host.pipeline, turn, s, cancel, saver)
             finally:
                 self.host.generation_lock.release()
         finally:
             self.host.end(session, cancel)
 
-    def _stream_chat(self, pipe: Pipeline, turn: Turn, s: Settings,
-                     cancel: threading.Event) -> Iterator[ChatView]:
+    def _stream_chat(self, pipe: Pipeline, turn: Turn, s: Settings, cancel: threading.Event,
+                     saver: TurnSaver) -> Iterator[ChatView]:
         """Generate (the lock is held) and show the answer as it comes; see the module doc for
         what a refusal, a failure, a Stop or an empty answer leave behind."""
         method = self._method(pipe, s)
         started = self._start(pipe, self._with_system(turn.messages, s), s, method, cancel)
         if isinstance(started, str):  # refused before any token
-            yield self._restore(turn, started)
+            yield self._restore(turn, started, saver)
             return
+        saver.started(self.host.status().active, answer_settings(started[0], method, s.system))
         answer = self._new_answer(pipe, method)
         for _ in follow(started[1], answer, self.clock, self.min_update_interval):
             if answer.done:
                 break
+            saver.progress(answer)
             history = self._with_answer(turn.messages, answer.text)
             yield view(ChatView, history=history,
                         chat=chat_html(history, history is turn.messages, streaming=True),
@@ -242,21 +256,25 @@ class ChatApp:
         if not answer.text.strip():  # nothing said: no empty turn, the conversation as it was
             yield self._restore(turn, answer.error or (
                 "Stopped before the first token." if answer.stopped
-                else "The model's answer was empty."), **shown)
+                else "The model's answer was empty."), saver, **shown)
             return
+        saver.finished(answer)
         history = self._with_answer(turn.messages, answer.text)
         notice = answer.error or ("Stopped." if answer.stopped else "")
         yield view(ChatView, history=history, chat=chat_html(history),
-                    notice=notice_html(notice), **shown)
+                    notice=notice_html(saver.notice(notice)), **shown)
 
     @staticmethod
-    def _restore(turn: Turn, why: str, **shown: Any) -> ChatView:
-        """No answer: the conversation as it was, the message back in the box, and why."""
+    def _restore(turn: Turn, why: str, saver: TurnSaver, **shown: Any) -> ChatView:
+        """No answer: the conversation as it was (saved as it was), the message back in the
+        box, and why."""
+        saver.undo()
         if turn.message is not None:
             why += " Your message is back in the box."
         return view(ChatView, history=turn.before, chat=chat_html(turn.before),
                      message=turn.message if turn.message is not None else gr.skip(),
-                     notice=notice_html(why), **shown)
+                     notice=notice_html(saver.notice(why)), conversation=saver.conversation,
+                     **shown)
 
     @staticmethod
     def _with_answer(messages: Messages, text: str) -> Messages:
@@ -269,7 +287,7 @@ class ChatApp:
              session: str = "local") -> Iterator[RaceView]:
         """The same prompt through plain decoding, then through speculation; side by side."""
         text = (prompt or "").strip()
-        refused = self._not_unicode([], settings, prompt=text)
+        refused = not_unicode([], settings, prompt=text)
         if refused is not None or not text:
             yield view(RaceView, notice=notice_html(refused or "Type a prompt to race."))
             return
@@ -348,22 +366,6 @@ class ChatApp:
                 got = self.host.acquire(cancel, 0.5)
         finally:
             self.host.set_waiting(-1)
-        return None
-
-    @staticmethod
-    def _not_unicode(history: Messages, s: Settings, **typed: str) -> str | None:
-        """Why the request is refused when its text holds lone surrogates (``typed``: the
-        message or prompt, by name), else None."""
-        for name, text in typed.items():
-            if count := count_lone_surrogates(text):
-                return (f"⚠ Your {name} holds {count} character{'s' * (count > 1)} that "
-                        f"{'are' if count > 1 else 'is'} not valid Unicode (text that was not "
-                        "UTF-8), shown as \ufffd: edit it, or send it as it is now.")
-        if count_lone_surrogates(s.system or ""):
-            return "⚠ The system prompt holds text that is not valid Unicode: edit it."
-        if any(count_lone_surrogates(m["role"] + m["content"]) for m in history):
-            return ("⚠ The conversation holds text that is not valid Unicode: press Clear to "
-                    "start a new one.")
         return None
 
     @staticmethod

@@ -1,9 +1,10 @@
 """``python app.py`` (or ``localspec-app``): the LocalSpec chat in your browser.
 
-Thin: parse flags, start loading the preset in the background, open the page at once (it shows
-the loading progress), serve on loopback unless ``--host`` says otherwise, with the
-OpenAI-compatible API (``localspec/api/``) at ``/v1`` of the same server. The UI lives in
-``localspec/ui/``.
+Thin: parse flags, start loading the preset in the background, open the saved conversations
+(``localspec.chats``; a folder that cannot be written leaves the app working without saving, and
+the page says so), open the page at once (it shows the loading progress), serve on loopback
+unless ``--host`` says otherwise, with the OpenAI-compatible API (``localspec/api/``) at ``/v1``
+of the same server. The UI lives in ``localspec/ui/``.
 """
 
 from __future__ import annotations
@@ -39,16 +40,25 @@ def main(argv: list[str] | None = None) -> None:
     from starlette.routing import Mount
 
     from localspec.api.server import api_key, create_api
+    from localspec.chats.store import ChatStore
+    from localspec.errors import ChatStoreError
     from localspec.host import ModelHost
     from localspec.models.hardware import detect_hardware
     from localspec.ui.app import APP_CSS, build_app
 
     host = ModelHost()
     host.load_async(args.preset)
+    store, problem = None, ""
+    try:
+        store = ChatStore()
+    except ChatStoreError as exc:
+        problem = str(exc)
+        logging.getLogger(__name__).warning("%s", exc)
     key = api_key(args.api_key)
     shown = f"[{args.host}]" if ":" in args.host else args.host
     demo = build_app(host, detect_hardware(), args.preset,
-                     api_url=f"http://{shown}:{args.port}/v1", api_key_needed=key is not None)
+                     api_url=f"http://{shown}:{args.port}/v1", api_key_needed=key is not None,
+                     store=store, store_problem=problem)
     demo.queue()
     # The API is a route of the app's own server: the page and API clients share the models
     # and the one queue.

@@ -30,9 +30,11 @@ from localspec.ui.chat_view import (
     chat_html,
     toggle_js,
 )
+from localspec.ui.chats_panel import build_panel, wire_panel
+from localspec.ui.conversations import Conversations
 from localspec.ui.handlers import ChatApp
 from localspec.ui.render import legend_html, spans_html
-from localspec.ui.views import ChatView, RaceView, Settings, SwitchView
+from localspec.ui.views import ChatView, RaceView, Settings, SwitchView, session_of
 
 SLIDERS = {  # control -> (request setting, step, label)
     "temperature": ("temperature", 0.05, "temperature (0 = greedy)"),
@@ -62,11 +64,6 @@ def setting_range(name: str, step: float) -> tuple[float, float]:
         elif isinstance(bound, annotated_types.Le):
             high = bound.le
     return low, min(high, SLIDER_MAX.get(name, high))
-
-
-def session_of(request: gr.Request | None) -> str:
-    """The browser session a request comes from (its Stop button cancels only its own)."""
-    return getattr(request, "session_hash", None) or "local"
 
 
 @dataclass
@@ -125,6 +122,7 @@ class ChatTab:
     tokens: gr.HTML
     summary: gr.HTML
     spans: gr.State
+    conversation: gr.State  # the saved conversation's id (None: not saved yet)
     stats: gr.HTML | None = None
 
     def outputs(self) -> list[gr.components.Component]:
@@ -153,7 +151,7 @@ def _chat_column() -> ChatTab:
     tokens = gr.HTML(spans_html([]), elem_id="ls-tokens", js_on_load=None)
     summary = gr.HTML("", elem_id="ls-summary", js_on_load=None)
     return ChatTab(gr.State([]), chat, message, send, stop, regenerate, clear, notice, tokens,
-                   summary, gr.State([]))
+                   summary, gr.State([]), gr.State(None))
 
 
 def _view_toggles() -> None:
@@ -194,9 +192,12 @@ def _preset_panel(app: ChatApp) -> PresetPanel:
     return PresetPanel(preset, path, load, info)
 
 
-def build(app: ChatApp, api_info: str = "") -> gr.Blocks:
-    """The page (``api_info``: where its API is, shown under the status). Launch it with
+def build(app: ChatApp, api_info: str = "", conversations: Conversations | None = None
+          ) -> gr.Blocks:
+    """The page (``api_info``: where its API is, shown under the status; ``conversations``:
+    the saved conversations' panel, by default over ``app.store``). Launch it with
     ``css=APP_CSS`` (``localspec.ui.app``)."""
+    conversations = conversations or Conversations(app)
     with gr.Blocks(title="LocalSpec", analytics_enabled=False) as demo:
         gr.Markdown("# LocalSpec: speculative decoding you can watch\n"
                     "Green tokens were guessed by the drafter and accepted by the target; "
@@ -206,6 +207,8 @@ def build(app: ChatApp, api_info: str = "") -> gr.Blocks:
             gr.HTML(api_info, elem_id="ls-api", js_on_load=None)
         with gr.Tabs():
             with gr.Tab("Chat"), gr.Row():
+                with gr.Column(scale=1, min_width=220):
+                    chats = build_panel()
                 with gr.Column(scale=3):
                     tab = _chat_column()
                 with gr.Column(scale=2):
@@ -223,7 +226,8 @@ def build(app: ChatApp, api_info: str = "") -> gr.Blocks:
                 race_out = gr.HTML("", elem_id="ls-race", js_on_load=None)
         switch_outputs = [status, panel.preset, panel.info, controls.method,
                           *(getattr(controls, name) for name in SwitchView._fields[4:])]
-        _wire_chat(app, tab, controls)
+        answers = _wire_chat(app, tab, controls)
+        wire_panel(conversations, chats, tab.conversation, tab.outputs(), answers)
         _wire_race(app, race_prompt, race_go, race_stop, [race_out, race_notice], controls)
         for trigger, source in ((panel.preset.input, panel.preset),
                                 (panel.load.click, panel.path)):
@@ -231,19 +235,22 @@ def build(app: ChatApp, api_info: str = "") -> gr.Blocks:
                     concurrency_id="switch", show_progress="hidden")
         gr.Timer(1.0).tick(app.status, None, status, show_progress="hidden", queue=False)
         demo.load(app.initial_controls, None, switch_outputs, queue=False)
+        demo.load(conversations.page, None, chats.outputs(), queue=False)
     return demo
 
 
-def _wire_chat(app: ChatApp, tab: ChatTab, controls: Controls) -> None:
-    inputs = {tab.message, tab.history, *controls.components().values()}
+def _wire_chat(app: ChatApp, tab: ChatTab, controls: Controls) -> list[Any]:
+    """The chat's events; returns those that generate an answer."""
+    inputs = {tab.message, tab.history, tab.conversation, *controls.components().values()}
 
     def send(values: dict[Any, Any], request: gr.Request) -> Iterator[ChatView]:
         yield from app.chat(values[tab.message], values[tab.history],
-                            controls.settings(values), session_of(request))
+                            controls.settings(values), session_of(request),
+                            values[tab.conversation])
 
     def regenerate(values: dict[Any, Any], request: gr.Request) -> Iterator[ChatView]:
         yield from app.regenerate(values[tab.history], controls.settings(values),
-                                  session_of(request))
+                                  session_of(request), values[tab.conversation])
 
     def stop(request: gr.Request) -> str:
         return app.stop(session_of(request), "chat")
@@ -251,14 +258,15 @@ def _wire_chat(app: ChatApp, tab: ChatTab, controls: Controls) -> None:
     def clear(request: gr.Request) -> ChatView:
         return app.clear(session_of(request))
 
-    for trigger in (tab.send.click, tab.message.submit):
-        trigger(send, inputs, tab.outputs(), concurrency_limit=None, show_progress="hidden")
-    tab.regenerate.click(regenerate, inputs, tab.outputs(), concurrency_limit=None,
-                         show_progress="hidden")
+    answers = [trigger(send, inputs, tab.outputs(), concurrency_limit=None,
+                       show_progress="hidden") for trigger in (tab.send.click, tab.message.submit)]
+    answers.append(tab.regenerate.click(regenerate, inputs, tab.outputs(), concurrency_limit=None,
+                                        show_progress="hidden"))
     tab.stop.click(stop, None, tab.notice, queue=False)
     tab.clear.click(clear, None, tab.outputs(), queue=False)
     controls.show_rejected.change(app.rerender, [tab.spans, controls.show_rejected],
                                   tab.tokens, queue=False)
+    return answers
 
 
 def _wire_race(app: ChatApp, prompt: gr.Textbox, go: gr.Button, stop_button: gr.Button,

@@ -1,6 +1,7 @@
 """What the handlers take and give: one ``Settings`` per generation, and the views they yield
 (named tuples in the order ``layout`` wires the outputs; a field left as ``gr.skip()`` leaves
-that output as it is). The conversation travels as plain-text messages.
+that output as it is). The conversation travels as plain-text messages; ``not_unicode`` says
+why a request whose text is not valid Unicode is refused.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
 
 import gradio as gr
+
+from localspec.files import count_lone_surrogates
 
 View = TypeVar("View")
 Messages = list[dict[str, str]]
@@ -48,6 +51,18 @@ class ChatView(NamedTuple):
     summary: Any
     notice: Any
     spans: Any  # gr.State: the last answer's spans (re-rendered by "show rejected")
+    conversation: Any  # gr.State: the saved conversation's id (None: not saved yet)
+
+
+class PanelView(NamedTuple):
+    """The saved conversations' side panel, in the order ``chats_panel`` wires it."""
+
+    chats: Any  # the list (a radio of titles: id values)
+    title: Any  # the open conversation's title, to rename it
+    status: Any  # what the last action did, or why nothing is saved
+    undo: Any  # the Undo button (shown after a delete)
+    deleted: Any  # gr.State: the id the Undo button restores
+    file: Any  # an export to download
 
 
 class RaceView(NamedTuple):
@@ -68,6 +83,11 @@ class SwitchView(NamedTuple):
     seed: Any
 
 
+def session_of(request: gr.Request | None) -> str:
+    """The browser session a request comes from (its Stop button cancels only its own)."""
+    return getattr(request, "session_hash", None) or "local"
+
+
 def view(kind: type[View], **fields: Any) -> View:
     """A view with the given fields; every other output is left as it is (gr.skip())."""
     return kind(**{**{name: gr.skip() for name in kind._fields}, **fields})  # type: ignore[attr-defined]
@@ -82,6 +102,22 @@ def text_of(content: Any) -> str:
     if isinstance(content, list | tuple):
         return "".join(text_of(part) for part in content)
     return "" if content is None else str(content)
+
+
+def not_unicode(history: Messages, s: Settings, **typed: str) -> str | None:
+    """Why a request is refused when its text holds lone surrogates (``typed``: the message or
+    prompt, by name), else None."""
+    for name, text in typed.items():
+        if count := count_lone_surrogates(text):
+            return (f"⚠ Your {name} holds {count} character{'s' * (count > 1)} that "
+                    f"{'are' if count > 1 else 'is'} not valid Unicode (text that was not "
+                    "UTF-8), shown as \ufffd: edit it, or send it as it is now.")
+    if count_lone_surrogates(s.system or ""):
+        return "⚠ The system prompt holds text that is not valid Unicode: edit it."
+    if any(count_lone_surrogates(m["role"] + m["content"]) for m in history):
+        return ("⚠ The conversation holds text that is not valid Unicode: press Clear to "
+                "start a new one.")
+    return None
 
 
 def plain_history(history: Sequence[dict] | None) -> Messages:
