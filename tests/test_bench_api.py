@@ -98,12 +98,13 @@ def test_bench_api_flags_a_different_answer(capsys: pytest.CaptureFixture[str],
 
 
 @pytest.mark.parametrize("api", [True, False])
-def test_bench_api_generates_on_threads_that_end(
+def test_bench_api_generates_on_the_engine_thread(
         capsys: pytest.CaptureFixture[str], presets: dict[str, str], prompts_file: str,
         monkeypatch: pytest.MonkeyPatch, api: bool) -> None:
-    """With --api the model load and every direct run are on a thread of their own, a new one
-    each, as the API's worker is: no thread keeps an OpenMP pool while another generates (see
-    bench_api). Without --api, bench runs on the main thread as it always has."""
+    """With --api the model load is on a thread of its own that ends with it, and every direct
+    run on the host's one engine thread, where the API's generations run: no other thread keeps
+    an OpenMP pool while one generates (see ``ModelHost.on_engine``). Without --api, bench runs
+    on the main thread as it always has."""
     threads: list[threading.Thread] = []
     real_run, real_load = bench._run_ours, cli_main.load_pipeline
 
@@ -122,9 +123,9 @@ def test_bench_api_generates_on_threads_that_end(
     assert code == 0, err
     assert len(threads) == 1 + 2 + 2 * 2  # the load, the warm-ups, 2 prompts x 2 methods
     if api:
-        assert threading.main_thread() not in threads
-        assert len({id(t) for t in threads}) == len(threads)  # a new thread each
-        assert not any(t.is_alive() for t in threads)
+        loader, runs = threads[0], threads[1:]
+        assert loader is not threading.main_thread() and not loader.is_alive()
+        assert len(set(runs)) == 1 and runs[0].name.startswith("localspec-engine")
     else:
         assert set(threads) == {threading.main_thread()}
 

@@ -205,8 +205,8 @@ class ApiService:
                 start = time.perf_counter()
                 job = link.job
                 saved, finish = self._saved(job), None
-                stream = job.pipeline.stream(job.request, job.method,
-                                             cancelled=lambda: cancel.is_set() or link.gone())
+                stream = self.host.on_engine(job.pipeline.stream(
+                    job.request, job.method, cancelled=lambda: cancel.is_set() or link.gone()))
                 for event in stream:
                     job.stats.add(event)
                     job.stats.wall_time = time.perf_counter() - start

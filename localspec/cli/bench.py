@@ -26,10 +26,9 @@ from typing import Any
 import torch
 
 from localspec.cli.bench_api import (
-    ApiRun,
+    ApiRunner,
     check_api_methods,
     format_api,
-    run_alone,
     summarise_api,
 )
 from localspec.cli.prompts import encode_prompts, load_prompts
@@ -210,24 +209,25 @@ def run_bench(
     repeats: int = 1,
     log: Callable[[str], None] = lambda _line: None,
     hf_pipe: Pipeline | None = None,
-    via_api: ApiRun | None = None,
+    via_api: ApiRunner | None = None,
 ) -> dict[str, Any]:
     """Run all methods on all prompts ``repeats`` (>= 1) times; summarise per method.
     Methods and prompts are checked before the first run; hf-* methods run on ``hf_pipe``
     (default: ``pipe``). With ``via_api`` (``bench_api.api_runner``; our methods only), each
     run is followed by the same one through the API, summarised under ``"api"``; then every
-    direct run is on a thread of its own, as the API's are (``bench_api.run_alone``)."""
+    direct run is on the API's engine thread, as the API's generations are."""
     methods = check_methods(pipe.preset, methods)
     if via_api is not None:
         check_api_methods(methods)
-    alone: Callable[[Callable[[], Any]], Any] = run_alone if via_api is not None else _now
+    on_engine: Callable[[Callable[[], Any]], Any] = via_api.on_engine if via_api is not None \
+        else _now
     hf_pipe = hf_pipe or pipe
-    encoded = alone(partial(encode_prompts, pipe, prompts, max_new_tokens))
+    encoded = on_engine(partial(encode_prompts, pipe, prompts, max_new_tokens))
     # Warm-up of every method: first calls pay for allocations, lazy initialisation (and on a
     # GPU, kernel selection), which would otherwise count against whichever method runs first.
-    reference = alone(partial(_run_ours, pipe, "none", encoded[0], WARM_UP_TOKENS))["token_ids"]
+    reference = on_engine(partial(_run_ours, pipe, "none", encoded[0], WARM_UP_TOKENS))["token_ids"]
     for method in methods[1:]:  # methods[0] is "none", just run
-        alone(partial(_run_one, pipe, hf_pipe, method, encoded[0], WARM_UP_TOKENS, reference))
+        on_engine(partial(_run_one, pipe, hf_pipe, method, encoded[0], WARM_UP_TOKENS, reference))
     if via_api is not None:  # and the API's path: its connection, its first requests
         for method in methods:
             via_api(method, encoded[0], WARM_UP_TOKENS)
@@ -237,7 +237,7 @@ def run_bench(
         for i, prompt_ids in enumerate(encoded):
             for method in methods:  # "none" first: its tokens are the simulated drafts' truth
                 reference = runs[(i, "none")][-1]["token_ids"] if method != "none" else None
-                run = alone(partial(_run_one, pipe, hf_pipe, method, prompt_ids,
+                run = on_engine(partial(_run_one, pipe, hf_pipe, method, prompt_ids,
                                     max_new_tokens, reference))
                 runs.setdefault((i, method), []).append(run)
                 log(f"[{rep + 1}/{repeats}] prompt {i + 1}/{len(encoded)} {method:12s} "

@@ -7,14 +7,10 @@ prompt token ids, greedy, the same ``max_tokens`` and ``localspec.method``. ``ru
 interleaves the two: each direct run is followed at once by the same run through the API, so
 drift in machine speed reaches both alike.
 
-Every run, direct or through the API, generates on a thread of its own that ends with it, as
-the API's worker does, and so is the model load (``run_alone``): no other thread of the process
-keeps an OpenMP thread pool meanwhile, as in ``localspec serve``. This matters: libgomp's
-threads spin briefly between parallel regions, but as soon as the process holds more OpenMP
-threads than cores (a pool left by another thread, say the main thread after a direct run)
-they sleep at once and every region wakes them, which halved a CPU decode's speed (measured on
-SmolLM2, 2 cores: 70 tok/s on the main thread, 33 on any other thread once the main thread had
-run one).
+Every generation, direct or through the API, runs on the host's one engine thread
+(``ModelHost.on_engine`` says why: OpenMP pools kept by several threads halve a CPU decode's
+speed), and the model load on a thread of its own that ends with it (``run_alone``), so no
+other thread of the process keeps an OpenMP pool, as in ``localspec serve`` and the app.
 
 The clock matches the direct run's (``Pipeline.run``: from the call to the generator's end):
 from sending the request to the stream's last data, ``[DONE]``. Tokens are counted exactly
@@ -34,6 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import httpx
@@ -46,8 +43,6 @@ from localspec.registry import method_names
 
 T = TypeVar("T")
 
-# One run through the API: (method, prompt token ids, max new tokens) -> its measures.
-ApiRun = Callable[[str, list[int], int], dict[str, Any]]
 
 # The longest wait for the next piece of a stream: a prefill on a slow CPU, never a hang.
 READ_TIMEOUT_S = 600.0
@@ -86,10 +81,27 @@ def run_alone(work: Callable[[], T]) -> T:
     return value  # type: ignore[return-value]
 
 
+@dataclass
+class ApiRunner:
+    """Runs through the API served over ``host``, and the direct runs beside them on the same
+    engine thread."""
+
+    client: httpx.Client
+    host: ModelHost
+
+    def __call__(self, method: str, prompt_ids: list[int], max_new: int) -> dict[str, Any]:
+        """One run of ``method`` on ``prompt_ids`` through the API."""
+        return run_via_api(self.client, method, prompt_ids, max_new)
+
+    def on_engine(self, work: Callable[[], T]) -> T:
+        """``work()`` (a direct run) on the engine thread the API's generations run on."""
+        return self.host.run_on_engine(work)
+
+
 @contextmanager
-def api_runner(pipe: Pipeline, preset_key: str) -> Iterator[ApiRun]:
+def api_runner(pipe: Pipeline, preset_key: str) -> Iterator[ApiRunner]:
     """``pipe`` served by the API (as preset ``preset_key``) while the block runs; yields the
-    function that runs one method on one prompt through it."""
+    runner of one method on one prompt through it."""
     host = ModelHost(loader=lambda _preset, _previous, _progress: pipe, warm_up=False,
                      audit=False)
     if not host.load(preset_key):
@@ -98,8 +110,7 @@ def api_runner(pipe: Pipeline, preset_key: str) -> Iterator[ApiRun]:
     # trust_env=False: a proxy from the environment must not stand between us and loopback
     with serve_in_thread(host) as url, httpx.Client(base_url=url, timeout=timeout,
                                                    trust_env=False) as client:
-        yield lambda method, prompt_ids, max_new: run_via_api(client, method, prompt_ids,
-                                                              max_new)
+        yield ApiRunner(client, host)
 
 
 def _api_failure(what: str, body: str) -> RuntimeError:

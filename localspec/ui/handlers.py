@@ -377,14 +377,15 @@ class ChatApp:
         system = [{"role": "system", "content": s.system}] if (s.system or "").strip() else []
         return [*system, *messages]
 
-    @staticmethod
-    def _start(pipe: Pipeline, messages: Messages, s: Settings, method: str,
+    def _start(self, pipe: Pipeline, messages: Messages, s: Settings, method: str,
                cancel: threading.Event) -> tuple[GenerationRequest, Iterator[StepEvent]] | str:
-        """Validate and start a generation; or why not, for the user (a refused setting, an
-        over-long prompt, a method this preset cannot run: all before any token)."""
+        """Validate and start a generation (on the host's engine thread); or why not, for the
+        user (a refused setting, an over-long prompt, a method this preset cannot run: all
+        before any token)."""
         try:
             request = pipe.request(pipe.encode_chat(messages), **s.overrides())
-            return request, pipe.stream(request, method, cancelled=cancel.is_set)
+            return request, self.host.on_engine(pipe.stream(request, method,
+                                                            cancelled=cancel.is_set))
         except LocalSpecError as exc:
             return f"⚠ {exc}"
         except Exception:  # a bug: the traceback goes to the log, the user gets a short word
