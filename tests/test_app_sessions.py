@@ -165,3 +165,26 @@ def test_preset_switch_while_generating(tiny: ChatApp, tiny_presets: dict[str, s
     assert out["history"][-1] == {"role": "assistant", "content": expected}
     assert tiny.host.status().active == tiny_presets["plain"]
     assert "tiny none" in tiny.status()
+
+
+def test_every_answer_runs_on_the_hosts_engine_thread(tiny: ChatApp,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chat and race, asked from different threads (as Gradio's workers ask), all generate on
+    the host's one engine thread: no second OpenMP pool (``ModelHost.on_engine``)."""
+    pipe, seen = tiny.host.pipeline, []
+    real = pipe.stream
+
+    def stream(*args: object, **kwargs: object) -> Iterator[StepEvent]:
+        for event in real(*args, **kwargs):
+            seen.append(threading.current_thread())
+            yield event
+
+    monkeypatch.setattr(pipe, "stream", stream)
+    work = [lambda: list(tiny.chat("def add", [], settings(), session="a")),
+            lambda: list(tiny.chat("hello", [], settings(), session="b")),
+            lambda: list(tiny.race("hello", settings(method="ngram"), session="c"))]
+    for job in work:
+        thread = threading.Thread(target=job)
+        thread.start()
+        thread.join(60)
+    assert seen and len(set(seen)) == 1 and seen[0].name.startswith("localspec-engine")
