@@ -112,6 +112,14 @@ def saved_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _own_data_folder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """No test, and no app a test starts, saves conversations in the user's data folder."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LOCALSPEC_DATA", str(tmp_path_factory.mktemp("data")))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _one_thread_for_tiny_models(request: pytest.FixtureRequest) -> Iterator[None]:
     """Tiny models gain nothing from intra-op threads and lose a lot to contention on a busy

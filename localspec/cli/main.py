@@ -1,5 +1,5 @@
 """Command line: ``localspec generate | bench | verify | quality | presets | export-vllm |
-gpucheck | serve``.
+gpucheck | serve | models``.
 
 Thin: parse flags, validate them against the preset (no model needed), load a preset into a
 Pipeline, call the engine, benchmark or checker, print. Every flag, method and prompt is checked
@@ -32,7 +32,7 @@ from pathlib import Path
 from transformers.utils import logging as transformers_logging
 
 from localspec.cli.loading import load_pipeline
-from localspec.cli.options import add_gpucheck, add_serve, add_train_drafter, count
+from localspec.cli.options import add_gpucheck, add_models, add_serve, add_train_drafter, count
 from localspec.config import (
     DEFAULT_PRESET,
     HARDWARE_LABELS,
@@ -171,6 +171,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return run_serve(args)
 
 
+def _cmd_models(args: argparse.Namespace) -> int:
+    from localspec.cli.models import run_models
+
+    return run_models(args, log=_log_line)
+
+
 def _cmd_train_drafter(args: argparse.Namespace) -> int:
     from localspec.cli.train_drafter import run_train_drafter
 
@@ -245,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_gpucheck(sub, _cmd_gpucheck)
     add_train_drafter(sub, _cmd_train_drafter)
     add_serve(sub, _cmd_serve)
+    add_models(sub, _cmd_models)
     return parser
 
 

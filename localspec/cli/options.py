@@ -149,3 +149,21 @@ def add_serve(sub: argparse._SubParsersAction, handler: Handler) -> None:
                        help="requests held at once, waiting or generating; one more is "
                             f"answered 429 (default {API_MAX_QUEUED})")
     serve.set_defaults(func=handler)
+
+
+def add_models(sub: argparse._SubParsersAction, handler: Handler) -> None:
+    """``models``' actions and flags (``cli/models`` runs them)."""
+    models = sub.add_parser("models", help="the model library: list, add, remove")
+    models.set_defaults(func=handler, json=False)  # no ACTION: list
+    actions = models.add_subparsers(dest="models_action", metavar="ACTION")
+    listing = actions.add_parser("list", help="every model here: built-in, models folder, "
+                                              "added paths, Hugging Face cache (the default)")
+    listing.add_argument("--json", action="store_true", help="print one JSON object")
+    add = actions.add_parser("add", help="add a .gguf file or model folder by path")
+    add.add_argument("source", metavar="PATH")
+    add.add_argument("--json", action="store_true", help="print one JSON object")
+    remove = actions.add_parser("remove", help="forget an added path, or delete a model of "
+                                               "the models folder or the Hugging Face cache")
+    remove.add_argument("name", metavar="NAME")
+    remove.add_argument("--yes", action="store_true",
+                        help="really delete files (what it frees is said first without it)")
