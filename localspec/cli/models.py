@@ -1,9 +1,10 @@
-"""``localspec models [list | add PATH | remove NAME]``: the model library on the command
-line (``localspec.models.library``).
+"""``localspec models [list | add PATH_OR_REPO | remove NAME]``: the model library on the
+command line (``localspec.models.library``, ``hub``).
 
 Thin: each action calls the library and prints a table (or one JSON object with ``--json``).
-Every expected failure is a ``LocalSpecError``, which ``main`` turns into one line and exit
-status 2.
+A download shows huggingface_hub's byte progress bar (tqdm, on stderr); Ctrl-C keeps what
+arrived and says how to continue. Every expected failure is a ``LocalSpecError``, which ``main``
+turns into one line and exit status 2.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from localspec.errors import InputFileError
 from localspec.models.library import LibraryEntry
 
 Log = Callable[[str], None]
+EXIT_INTERRUPTED = 130
 
 
 def _size(n: int | None) -> str:
@@ -76,12 +78,37 @@ def _added(entries: list[LibraryEntry], args: argparse.Namespace) -> int:
 
 
 def _add(args: argparse.Namespace, log: Log) -> int:
+    from localspec.models.hub import looks_like_repo_id
     from localspec.models.library import add_path
 
     source = args.source
-    if not Path(source).expanduser().exists():
-        raise InputFileError(f"{source}: no such file or folder")
-    return _added([add_path(source)], args)
+    if Path(source).expanduser().exists():
+        if args.include or args.revision:
+            raise InputFileError("--include and --revision are for a Hub repo, not a path")
+        return _added([add_path(source)], args)
+    if not looks_like_repo_id(source):
+        raise InputFileError(f"{source}: no such file or folder, and not a Hugging Face repo id "
+                             "(org/name)")
+    return _download(source, args, log)
+
+
+def _download(repo_id: str, args: argparse.Namespace, log: Log) -> int:
+    from tqdm.auto import tqdm
+
+    from localspec.models.hub import download, partial_bytes
+    from localspec.models.library import models_folder_entries
+
+    try:
+        paths = download(repo_id, args.include, args.revision, tqdm_class=tqdm, log=log)
+    except KeyboardInterrupt:
+        kept = partial_bytes(repo_id)
+        log(f"localspec: interrupted: {_size(kept)} of {repo_id} kept; run the same command "
+            "again to continue the download")
+        return EXIT_INTERRUPTED
+    wanted = {p.resolve() for p in paths}
+    entries = [e for e in models_folder_entries()
+               if e.path is not None and e.path.resolve() in wanted]
+    return _added(entries, args)
 
 
 def _remove(args: argparse.Namespace) -> int:

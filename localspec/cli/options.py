@@ -153,14 +153,20 @@ def add_serve(sub: argparse._SubParsersAction, handler: Handler) -> None:
 
 def add_models(sub: argparse._SubParsersAction, handler: Handler) -> None:
     """``models``' actions and flags (``cli/models`` runs them)."""
-    models = sub.add_parser("models", help="the model library: list, add, remove")
+    models = sub.add_parser("models", help="the model library: list, add (a path or a Hub "
+                                           "repo), remove")
     models.set_defaults(func=handler, json=False)  # no ACTION: list
     actions = models.add_subparsers(dest="models_action", metavar="ACTION")
     listing = actions.add_parser("list", help="every model here: built-in, models folder, "
                                               "added paths, Hugging Face cache (the default)")
     listing.add_argument("--json", action="store_true", help="print one JSON object")
-    add = actions.add_parser("add", help="add a .gguf file or model folder by path")
-    add.add_argument("source", metavar="PATH")
+    add = actions.add_parser("add", help="add a .gguf file or model folder by path, or "
+                                         "download a Hugging Face repo (org/name)")
+    add.add_argument("source", metavar="PATH_OR_REPO")
+    add.add_argument("--include", action="append", default=None, metavar="PATTERN",
+                     help="only the repo's files matching this pattern, e.g. '*Q4_K_M.gguf' "
+                          "(repeatable; a GGUF repo with several files needs one)")
+    add.add_argument("--revision", default=None, help="a branch, tag or commit (default: main)")
     add.add_argument("--json", action="store_true", help="print one JSON object")
     remove = actions.add_parser("remove", help="forget an added path, or delete a model of "
                                                "the models folder or the Hugging Face cache")
