@@ -1,5 +1,5 @@
-"""``localspec models [list | add PATH_OR_REPO | remove NAME]``: the model library on the
-command line (``localspec.models.library``, ``hub``).
+"""``localspec models [list | add PATH_OR_REPO | remove NAME | drafters TARGET]``: the model
+library on the command line (``localspec.models.library``, ``hub``, ``drafter_finder``).
 
 Thin: each action calls the library and prints a table (or one JSON object with ``--json``).
 A download shows huggingface_hub's byte progress bar (tqdm, on stderr); Ctrl-C keeps what
@@ -14,7 +14,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from localspec.config import library_path, models_root
+from localspec.config import library_path, models_root, user_presets_root
 from localspec.errors import InputFileError
 from localspec.models.library import LibraryEntry
 
@@ -74,6 +74,8 @@ def _added(entries: list[LibraryEntry], args: argparse.Namespace) -> int:
         print(json.dumps({"added": [e.to_json() for e in entries]}, ensure_ascii=False))
         return 0
     print(format_entries(entries))
+    names = " or ".join(e.name for e in entries[:2])
+    print(f"\nadded; its drafters: localspec models drafters {names}")
     return 0
 
 
@@ -119,6 +121,37 @@ def _remove(args: argparse.Namespace) -> int:
     return 0
 
 
+def _drafters(args: argparse.Namespace) -> int:
+    from localspec.models.drafter_finder import find_drafters, make_preset
+
+    if args.drafter and not args.make_preset:
+        raise InputFileError("--drafter chooses the drafter of --make-preset NAME: give both")
+    report = find_drafters(args.target)
+    made = make_preset(args.make_preset, report, args.drafter) if args.make_preset else None
+    if args.json:
+        print(json.dumps({"target": report.target.to_json(), "quantization": report.quantization,
+                          "drafters": [c.to_json() for c in report.choices],
+                          "not_offered": [{"name": n, "why": w} for n, w in report.refused],
+                          "preset": str(made) if made else None}, ensure_ascii=False))
+        return 0
+    print(f"Drafters for {report.target.name} (served as {report.quantization} on the CPU):")
+    rows = [(c.key, c.method, c.quantization if c.method == "draft_model" else "",
+             "fits" if c.fits else "--", c.reason) for c in report.choices]
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for row in rows:
+        print("  " + "  ".join(cell.ljust(w) for cell, w in zip(row[:4], widths, strict=True))
+              + "  " + row[4])
+    for name, why in report.refused:
+        print(f"  not offered: {name}: {why}")
+    if made is not None:
+        print(f"\nsaved preset {args.make_preset}: {made}\nrun it: localspec generate --preset "
+              f"{args.make_preset} --prompt ...  (the app lists it too)")
+    else:
+        print(f"\nmake a preset: localspec models drafters {args.target} --make-preset NAME "
+              f"[--drafter KEY] (saved in {user_presets_root()})")
+    return 0
+
+
 def run_models(args: argparse.Namespace, log: Log) -> int:
     """Run ``localspec models ACTION`` (no action: list)."""
     action = args.models_action or "list"
@@ -126,4 +159,6 @@ def run_models(args: argparse.Namespace, log: Log) -> int:
         return _list(args)
     if action == "add":
         return _add(args, log)
-    return _remove(args)
+    if action == "remove":
+        return _remove(args)
+    return _drafters(args)

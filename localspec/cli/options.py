@@ -154,7 +154,7 @@ def add_serve(sub: argparse._SubParsersAction, handler: Handler) -> None:
 def add_models(sub: argparse._SubParsersAction, handler: Handler) -> None:
     """``models``' actions and flags (``cli/models`` runs them)."""
     models = sub.add_parser("models", help="the model library: list, add (a path or a Hub "
-                                           "repo), remove")
+                                           "repo), remove, and the drafters that fit a target")
     models.set_defaults(func=handler, json=False)  # no ACTION: list
     actions = models.add_subparsers(dest="models_action", metavar="ACTION")
     listing = actions.add_parser("list", help="every model here: built-in, models folder, "
@@ -173,3 +173,12 @@ def add_models(sub: argparse._SubParsersAction, handler: Handler) -> None:
     remove.add_argument("name", metavar="NAME")
     remove.add_argument("--yes", action="store_true",
                         help="really delete files (what it frees is said first without it)")
+    drafters = actions.add_parser("drafters", help="the drafters that can serve a target here, "
+                                                   "with their memory; --make-preset saves one")
+    drafters.add_argument("target", metavar="TARGET", help="a model of the library (its name)")
+    drafters.add_argument("--make-preset", default=None, metavar="NAME",
+                          help="save a preset of the target with a drafter, in your presets "
+                               "folder, where --preset NAME and the app find it")
+    drafters.add_argument("--drafter", default=None, metavar="KEY",
+                          help="the drafter for --make-preset (default: the first that fits)")
+    drafters.add_argument("--json", action="store_true", help="print one JSON object")
