@@ -94,6 +94,9 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 if self._refuse(repo_id):
                     return
                 repo = hub.repos[repo_id]
+                if api.group(2) not in (None, "main", repo.sha):
+                    self._answer(404, b"", {"X-Error-Code": "RevisionNotFound"})
+                    return
                 siblings = [{"rfilename": name, "size": len(data),
                              "blobId": hashlib.sha1(data).hexdigest()}
                             for name, data in repo.files.items()]

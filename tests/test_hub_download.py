@@ -126,12 +126,21 @@ def test_a_gguf_repo_needs_a_pattern_then_gets_only_that_file(
     ("org/pickles", [], ["no model LocalSpec can run", "pickle"]),
     ("org/broken-GGUF", [], ["not a model LocalSpec can run, so nothing was added",
                              "truncated GGUF"]),
+    ("org/tiny", ["--revision", "v9"], ["org/tiny has no revision 'v9'"]),
 ])
 def test_what_cannot_be_added_is_one_line_and_leaves_nothing(
         hub: FakeHub, models: Path, capsys: pytest.CaptureFixture[str], repo: str,
         args: list[str], needles: list[str]) -> None:
     assert_user_error(run_cli(capsys, "models", "add", repo, *args), *needles)
     _nothing_added(models)
+
+
+def test_a_models_folder_that_cannot_be_written_is_one_line(
+        hub: FakeHub, models: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    models.write_text("a file where the folder should be", encoding="utf-8")
+    assert_user_error(run_cli(capsys, "models", "add", "org/tiny"),
+                      "cannot write in the models folder", "LOCALSPEC_MODELS")
+    assert run_cli(capsys, "models", "list")[0] == 0
 
 
 def test_offline_is_one_line(models: Path, monkeypatch: pytest.MonkeyPatch,

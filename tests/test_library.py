@@ -245,3 +245,26 @@ def test_a_builtin_model_is_never_removed(monkeypatch: pytest.MonkeyPatch) -> No
                       BUILTIN_MODELS["smollm2-135m-instruct"].packages[0])
     assert_user_error(run_models("remove", "no-such-model"), "no model 'no-such-model'")
     assert [e.name for e in list_library()] == ["smollm2-135m-instruct"]
+
+
+# ----------------------------------------------------------------------------- other mistakes
+
+
+def test_mistakes_around_the_library_are_one_line(tmp_path: Path, library: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    mine = write_gguf(tmp_path / "mine.gguf")
+    assert_user_error(run_models("add", str(mine), "--include", "*.gguf"),
+                      "--include and --revision are for a Hub repo")
+    assert_user_error(run_models("add", "not/a/repo/id"), "not a Hugging Face repo id")
+    assert_user_error(run_models("drafters", "nothing-called-so"), "no model 'nothing-called-so'")
+    assert_user_error(run_models("drafters", "x", "--drafter", "ngram"), "give both")
+    head = library / "some-head"
+    head.mkdir()
+    (head / "config.json").write_text(json.dumps({"architectures": ["MedusaModel"],
+                                                  "base_model_name_or_path": "x"}))
+    assert_user_error(run_models("drafters", "some-head"), "a draft head, not a model")
+    data = tmp_path / "data-file"
+    data.write_text("not a folder", encoding="utf-8")
+    monkeypatch.setenv("LOCALSPEC_DATA", str(data))
+    assert_user_error(run_models("add", str(mine)), "cannot write the model library's list",
+                      "LOCALSPEC_DATA")

@@ -84,7 +84,8 @@ def _size(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def _hub_error(exc: Exception, repo_id: str, endpoint: str) -> ModelLoadError:
+def _hub_error(exc: Exception, repo_id: str, endpoint: str, revision: str | None = None
+               ) -> ModelLoadError:
     """One line for what the Hub (or the way to it) answered."""
     import httpx2
     from huggingface_hub.errors import (
@@ -103,7 +104,8 @@ def _hub_error(exc: Exception, repo_id: str, endpoint: str) -> ModelLoadError:
         return ModelLoadError(f"no repo {repo_id} on the Hub ({endpoint}); check the spelling "
                               "(org/name), or log in if it is private")
     if isinstance(exc, RevisionNotFoundError):
-        return ModelLoadError(f"{repo_id} has no such revision: {exc}")
+        return ModelLoadError(f"{repo_id} has no revision '{revision or 'main'}' (a branch, tag "
+                              "or commit of the repo)")
     if isinstance(exc, OfflineModeIsEnabled):
         return ModelLoadError(f"cannot download {repo_id}: HF_HUB_OFFLINE is set; unset it to "
                               "download, or add a model that is on this machine by its path")
@@ -173,7 +175,7 @@ def plan_download(repo_id: str, include: list[str] | None = None, revision: str 
         info = HfApi(endpoint=endpoint).model_info(repo_id, revision=revision or "main",
                                                    files_metadata=True)
     except _hub_errors() as exc:
-        raise _hub_error(exc, repo_id, endpoint) from exc
+        raise _hub_error(exc, repo_id, endpoint, revision) from exc
     files = [RemoteFile(s.rfilename, int(s.size or 0)) for s in info.siblings or []]
     chosen, gguf = _choose(repo_id, files, include)
     destination = (root or models_root()) / repo_id
@@ -302,7 +304,12 @@ def download(repo_id: str, include: list[str] | None = None, revision: str | Non
         resumed = f", resuming with {_size(kept)} already here" if kept else ""
         log(f"downloading {len(plan.files)} file(s) of {repo_id} ({_size(plan.total)}) "
             f"to {plan.destination}{resumed}")
-    plan.staging.mkdir(parents=True, exist_ok=True)
+    try:
+        plan.staging.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ModelLoadError(f"cannot write in the models folder {plan.staging.parents[1]}: "
+                             f"{exc.strerror or exc}; set LOCALSPEC_MODELS to a folder of "
+                             "yours") from exc
     for f in plan.files:
         if plan.gguf and _in_place(plan, f):
             continue

@@ -176,8 +176,12 @@ def write_added_paths(paths: list[Path], path: Path | None = None) -> None:
     path = path or library_path()
     if len(paths) > MAX_LIBRARY_PATHS:
         raise InputFileError(f"the model library holds at most {MAX_LIBRARY_PATHS} added paths")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as exc:
+        raise InputFileError(f"cannot write the model library's list of added paths "
+                             f"({path}): {exc.strerror or exc}; check LOCALSPEC_DATA") from exc
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump({"paths": [str(p) for p in paths]}, f, indent=1)
