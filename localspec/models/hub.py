@@ -8,9 +8,10 @@ retries, a ``Range`` request that continues a dropped connection, and its tqdm p
 forbids the network, and a gated repo's token comes from ``hf auth login`` or ``HF_TOKEN``.
 
 Why not ``snapshot_download(local_dir=...)``: huggingface_hub 2.4 writes each file to a
-temporary name unique to the process and deletes it whenever the download fails, so a
-download stopped by Ctrl-C, a closed laptop or a connection that stays down starts again from
-byte zero; a 4 GB GGUF deserves better. Here each file grows in
+temporary name unique to the process and deletes it whenever the download fails (a killed
+process leaves it behind under a name no later run reads), so a download stopped by Ctrl-C, a
+closed laptop or a connection that stays down starts again from byte zero; a 4 GB GGUF
+deserves better. Here each file grows in
 ``<models>/.downloads/<org>--<name>/<file>.incomplete``, opened for appending, and a later
 ``models add`` of the same repo asks for the rest with a ``Range`` header (the repo's commit
 and each file's ETag are kept beside it: a repo that changed in between starts over).
