@@ -112,18 +112,13 @@ def data_root() -> Path:
     return Path(user_data_dir("localspec", appauthor=False))
 
 
-# The model library (localspec/models/library.py): the user's models folder, where downloads
-# from the Hub land (``LOCALSPEC_MODELS`` moves it), the paths added to the library by hand
-# (a small JSON file in the data folder), and the presets the user makes (read after the
-# shipped ones, never in their place).
+# The model library (models/library.py): the user's models folder, where Hub downloads land
+# (``LOCALSPEC_MODELS`` moves it); the paths added by hand and the user's own presets are kept
+# in the data folder.
 MODELS_ENV = "LOCALSPEC_MODELS"
-LIBRARY_FILE = "library.json"
-USER_PRESETS_FOLDER = "presets"
-MAX_LIBRARY_PATHS = 10_000  # paths the library remembers; a bound on what its file may hold
-# Free disk a download leaves besides its files (so that the disk is not filled to the byte).
-DOWNLOAD_FREE_MARGIN = 256 * 2**20
-# What the fast native CPU path serves: the architectures its forward runs
-# (runtime.decoder) and the GGUF matrix types its kernels read as stored (w4a8, gguf_kquants).
+DOWNLOAD_FREE_MARGIN = 256 * 2**20  # free disk a download leaves besides its files
+# What the fast native CPU path serves: the architectures its forward runs (runtime.decoder)
+# and the GGUF matrix types w4a8 keeps as stored (models.gguf_kquants).
 NATIVE_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2")
 NATIVE_GGUF_TYPES: tuple[str, ...] = ("Q4_K", "Q6_K")
 
@@ -132,16 +127,6 @@ def models_root() -> Path:
     """The user's models folder: ``$LOCALSPEC_MODELS``, else ``models/`` in the data folder."""
     env = os.environ.get(MODELS_ENV)
     return Path(env).expanduser() if env else data_root() / "models"
-
-
-def library_path() -> Path:
-    """The JSON file of the paths added to the model library."""
-    return data_root() / LIBRARY_FILE
-
-
-def user_presets_root() -> Path:
-    """The folder of the user's own presets (``localspec models drafters --make-preset``)."""
-    return data_root() / USER_PRESETS_FOLDER
 
 
 # ----------------------------------------------------------------------------- limits

@@ -9,7 +9,7 @@ any user's file: a folder or a pipe is refused, the size bounded), one that does
 that lists them. Every error names the file, the key and what would be accepted. Torch-free.
 
 The user's own presets (written by ``localspec models drafters --make-preset``, or by hand) live
-in ``config.user_presets_root()`` (``presets/`` in the user data folder). A bare name that is
+in ``user_presets_root()`` (``presets/`` in the user data folder). A bare name that is
 not a shipped preset names one of them; they are listed after the shipped ones, and one may not
 take a shipped preset's name (``save_user_preset`` refuses it; a file placed there by hand under
 such a name is never read in the shipped one's place).
@@ -25,7 +25,7 @@ from importlib import resources
 from importlib.resources.abc import Traversable
 from pathlib import Path
 
-from localspec.config import DEFAULT_PRESET, Preset, parse_preset, user_presets_root
+from localspec.config import DEFAULT_PRESET, Preset, data_root, parse_preset
 from localspec.errors import PresetError
 from localspec.files import parse_failure, read_user_text
 
@@ -46,6 +46,11 @@ def presets_dir() -> Traversable:
     if packaged.is_dir():
         return packaged
     return Path(__file__).resolve().parent.parent / "presets"
+
+
+def user_presets_root() -> Path:
+    """The folder of the user's own presets: ``presets/`` in the user data folder."""
+    return data_root() / "presets"
 
 
 def builtin_head_folder(name: str) -> Path:

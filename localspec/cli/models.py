@@ -14,7 +14,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from localspec.config import library_path, models_root, user_presets_root
+from localspec.config import models_root
 from localspec.errors import InputFileError
 from localspec.models.library import LibraryEntry
 
@@ -51,6 +51,8 @@ def format_entries(entries: list[LibraryEntry]) -> str:
 
 def _where() -> str:
     from huggingface_hub import constants
+
+    from localspec.models.library import library_path
 
     return (f"models folder: {models_root()} (LOCALSPEC_MODELS); added paths: {library_path()};"
             f" Hugging Face cache: {constants.HF_HUB_CACHE}")
@@ -123,6 +125,7 @@ def _remove(args: argparse.Namespace) -> int:
 
 def _drafters(args: argparse.Namespace) -> int:
     from localspec.models.drafter_finder import find_drafters, make_preset
+    from localspec.presets import user_presets_root
 
     if args.drafter and not args.make_preset:
         raise InputFileError("--drafter chooses the drafter of --make-preset NAME: give both")

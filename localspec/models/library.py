@@ -8,7 +8,7 @@ Four sources, listed in this order:
   user data folder), where downloads from the Hub land; every ``.gguf`` file and every folder
   with a config.json in it, named by its path relative to the folder (``org/name``);
 - **added**: ``.gguf`` files and model folders the user added by path, remembered in a small
-  JSON file in the data folder (``config.library_path()``); the files stay where they are;
+  JSON file in the data folder (``library_path()``); the files stay where they are;
 - **hf cache**: the Hugging Face cache (``huggingface_hub.scan_cache_dir``), each repo with a
   config.json and weights as ``hf:org/name``, each ``.gguf`` in a repo as
   ``hf:org/name/file.gguf``.
@@ -31,7 +31,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from localspec.config import MAX_LIBRARY_PATHS, library_path, models_root
+from localspec.config import data_root, models_root
 from localspec.errors import InputFileError, LocalSpecError, ModelLoadError
 from localspec.files import parse_json, read_user_text
 from localspec.models.builtin import BUILTIN_MODELS
@@ -39,6 +39,7 @@ from localspec.models.cache import builtin_gguf_path
 from localspec.models.describe import ModelFacts, check_model, describe
 
 SOURCES = ("built-in", "models folder", "added", "hf cache")
+MAX_LIBRARY_PATHS = 10_000  # paths the library remembers; a bound on what its file may hold
 MAX_LIBRARY_FILE_BYTES = 4 * 2**20
 MAX_DEPTH = 4  # how deep the models folder is searched (org/name/file.gguf is 3)
 DOWNLOADS_FOLDER = ".downloads"  # in the models folder: downloads under way (``models.hub``)
@@ -154,6 +155,11 @@ def hf_cache_entries(cache_dir: Path | None = None) -> list[LibraryEntry]:
 
 
 # ----------------------------------------------------------------------------- added paths
+
+
+def library_path() -> Path:
+    """The JSON file of the paths added to the library, in the user data folder."""
+    return data_root() / "library.json"
 
 
 def read_added_paths(path: Path | None = None) -> list[Path]:
