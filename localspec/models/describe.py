@@ -35,7 +35,7 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
 # GGUF architectures transformers reads besides the native ones are only known to it (a 4 s
 # import); these are the keys of its mapping that are not model architectures.
-_NOT_ARCHITECTURES = {"general", "tokenizer", "t5", "umt5"}
+_NOT_ARCHITECTURES = frozenset({"general", "tokenizer", "t5", "umt5"})
 
 
 @dataclass(frozen=True)
