@@ -98,8 +98,8 @@ def cache_root() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "localspec"
 
 
-# The user's own data (saved conversations): not the cache, which a user may delete to free
-# space. ``LOCALSPEC_DATA`` moves it; else the platform's user data folder.
+# The user's own data (saved conversations, added models, presets): not the cache, which a
+# user may delete to free space. ``LOCALSPEC_DATA`` moves it; else the platform's data folder.
 DATA_ENV = "LOCALSPEC_DATA"
 CHATS_FILE = "chats.db"  # SQLite, WAL mode (localspec/chats/)
 
@@ -116,6 +116,23 @@ def data_root() -> Path:
 def chats_path() -> Path:
     """The saved conversations' database file."""
     return data_root() / CHATS_FILE
+
+
+# The model library (models/library.py): the user's models folder, where Hub downloads land
+# (``LOCALSPEC_MODELS`` moves it); the paths added by hand and the user's own presets are kept
+# in the data folder.
+MODELS_ENV = "LOCALSPEC_MODELS"
+DOWNLOAD_FREE_MARGIN = 256 * 2**20  # free disk a download leaves besides its files
+# What the fast native CPU path serves: the architectures its forward runs (runtime.decoder)
+# and the GGUF matrix types w4a8 keeps as stored (models.gguf_kquants).
+NATIVE_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2")
+NATIVE_GGUF_TYPES: tuple[str, ...] = ("Q4_K", "Q6_K")
+
+
+def models_root() -> Path:
+    """The user's models folder: ``$LOCALSPEC_MODELS``, else ``models/`` in the data folder."""
+    env = os.environ.get(MODELS_ENV)
+    return Path(env).expanduser() if env else data_root() / "models"
 
 
 # ----------------------------------------------------------------------------- limits

@@ -1,5 +1,5 @@
 """Command line: ``localspec generate | bench | verify | quality | presets | export-vllm |
-gpucheck | serve | chats``.
+gpucheck | serve | chats | models``.
 
 Thin: parse flags, validate them against the preset (no model needed), load a preset into a
 Pipeline, call the engine, benchmark or checker, print. Every flag, method and prompt is checked
@@ -36,7 +36,14 @@ from pathlib import Path
 from transformers.utils import logging as transformers_logging
 
 from localspec.cli.loading import load_pipeline
-from localspec.cli.options import add_chats, add_gpucheck, add_serve, add_train_drafter, count
+from localspec.cli.options import (
+    add_chats,
+    add_gpucheck,
+    add_models,
+    add_serve,
+    add_train_drafter,
+    count,
+)
 from localspec.config import (
     DEFAULT_PRESET,
     HARDWARE_LABELS,
@@ -191,6 +198,12 @@ def _cmd_chats(args: argparse.Namespace) -> int:
     return run_chats(args)
 
 
+def _cmd_models(args: argparse.Namespace) -> int:
+    from localspec.cli.models import run_models
+
+    return run_models(args, log=_log_line)
+
+
 def _cmd_train_drafter(args: argparse.Namespace) -> int:
     from localspec.cli.train_drafter import run_train_drafter
 
@@ -271,6 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_drafter(sub, _cmd_train_drafter)
     add_serve(sub, _cmd_serve)
     add_chats(sub, _cmd_chats)
+    add_models(sub, _cmd_models)
     return parser
 
 

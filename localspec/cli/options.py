@@ -180,3 +180,36 @@ def add_chats(sub: argparse._SubParsersAction, handler: Handler) -> None:
     load.add_argument("file", metavar="FILE")
     for parser in (listing, show, export, load):
         parser.set_defaults(func=handler)
+
+
+def add_models(sub: argparse._SubParsersAction, handler: Handler) -> None:
+    """``models``' actions and flags (``cli/models`` runs them)."""
+    models = sub.add_parser("models", help="the model library: list, add (a path or a Hub "
+                                           "repo), remove, and the drafters that fit a target")
+    models.set_defaults(func=handler, json=False)  # no ACTION: list
+    actions = models.add_subparsers(dest="models_action", metavar="ACTION")
+    listing = actions.add_parser("list", help="every model here: built-in, models folder, "
+                                              "added paths, Hugging Face cache (the default)")
+    listing.add_argument("--json", action="store_true", help="print one JSON object")
+    add = actions.add_parser("add", help="add a .gguf file or model folder by path, or "
+                                         "download a Hugging Face repo (org/name)")
+    add.add_argument("source", metavar="PATH_OR_REPO")
+    add.add_argument("--include", action="append", default=None, metavar="PATTERN",
+                     help="only the repo's files matching this pattern, e.g. '*Q4_K_M.gguf' "
+                          "(repeatable; a GGUF repo with several files needs one)")
+    add.add_argument("--revision", default=None, help="a branch, tag or commit (default: main)")
+    add.add_argument("--json", action="store_true", help="print one JSON object")
+    remove = actions.add_parser("remove", help="forget an added path, or delete a model of "
+                                               "the models folder or the Hugging Face cache")
+    remove.add_argument("name", metavar="NAME")
+    remove.add_argument("--yes", action="store_true",
+                        help="really delete files (what it frees is said first without it)")
+    drafters = actions.add_parser("drafters", help="the drafters that can serve a target here, "
+                                                   "with their memory; --make-preset saves one")
+    drafters.add_argument("target", metavar="TARGET", help="a model of the library (its name)")
+    drafters.add_argument("--make-preset", default=None, metavar="NAME",
+                          help="save a preset of the target with a drafter, in your presets "
+                               "folder, where --preset NAME and the app find it")
+    drafters.add_argument("--drafter", default=None, metavar="KEY",
+                          help="the drafter for --make-preset (default: the first that fits)")
+    drafters.add_argument("--json", action="store_true", help="print one JSON object")

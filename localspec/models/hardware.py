@@ -31,6 +31,7 @@ from localspec.config import (
     Preset,
     cache_root,
 )
+from localspec.errors import ModelLoadError
 from localspec.models.builtin import BUILTIN_MODELS
 from localspec.presets import builtin_head_folder
 from localspec.registry import drafter_spec
@@ -193,6 +194,13 @@ def _config_on_disk(model: str) -> Path | None:
 
 def architecture(model: str) -> Architecture:
     """The architecture of a model named as presets name models."""
+    if model.lower().endswith(".gguf") and Path(model).expanduser().is_file():
+        from localspec.models.gguf_header import gguf_config, read_gguf_header
+
+        try:
+            return Architecture.from_config(gguf_config(read_gguf_header(Path(model).expanduser())))
+        except ModelLoadError as exc:
+            raise HardwareError(str(exc)) from exc
     config_path = _config_on_disk(model)
     if config_path is not None:
         return Architecture.from_config(json.loads(config_path.read_text(encoding="utf-8")))
@@ -373,8 +381,10 @@ def summarize_preset(key: str, hardware: Hardware) -> PresetSummary:
 
 
 def survey_presets(hardware: Hardware, keys: list[str] | None = None) -> list[PresetSummary]:
-    """Every shipped preset (or ``keys``), ordered by hardware class then name."""
-    from localspec.presets import list_preset_names
+    """Every preset (or ``keys``): the shipped ones, then the user's, each ordered by hardware
+    class then name."""
+    from localspec.presets import list_preset_names, user_preset_names
 
     rows = [summarize_preset(k, hardware) for k in (keys or list_preset_names())]
-    return sorted(rows, key=lambda r: (hardware_order(r.hardware), r.key))
+    own = set(user_preset_names())  # the user's presets come after the shipped ones
+    return sorted(rows, key=lambda r: (r.key in own, hardware_order(r.hardware), r.key))

@@ -34,6 +34,7 @@ import torch
 from torch.nn import functional as F
 from transformers import PreTrainedModel
 
+from localspec.config import NATIVE_ARCHITECTURES
 from localspec.runtime.kernels.row_attention import RowAttention
 from localspec.runtime.native import NativeStack
 from localspec.runtime.quant import W8A8Linear
@@ -47,7 +48,7 @@ from localspec.runtime.weight_formats import (
     rotate,
 )
 
-CPU_MODEL_TYPES = ("llama", "qwen2")
+CPU_MODEL_TYPES = NATIVE_ARCHITECTURES  # config: what the model library calls native too
 CACHE_BLOCK = 256  # the KV cache grows in blocks of this many positions
 # Up to this many new tokens, each query row attends in a call of its own over exactly the keys
 # it may see. A masked batch would sum over a longer, zero-padded row, and float sums of another

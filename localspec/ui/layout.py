@@ -33,6 +33,7 @@ from localspec.ui.chat_view import (
 from localspec.ui.chats_panel import build_panel, wire_panel
 from localspec.ui.conversations import Conversations
 from localspec.ui.handlers import ChatApp
+from localspec.ui.models_view import build_models_tab, wire_models
 from localspec.ui.render import legend_html, spans_html
 from localspec.ui.views import ChatView, RaceView, Settings, SwitchView, session_of
 
@@ -224,6 +225,8 @@ def build(app: ChatApp, api_info: str = "", conversations: Conversations | None 
                     race_stop = gr.Button("Stop", variant="stop", elem_id="ls-race-stop")
                 race_notice = gr.HTML("", elem_id="ls-race-notice", js_on_load=None)
                 race_out = gr.HTML("", elem_id="ls-race", js_on_load=None)
+            with gr.Tab("Models"):
+                models = build_models_tab()
         switch_outputs = [status, panel.preset, panel.info, controls.method,
                           *(getattr(controls, name) for name in SwitchView._fields[4:])]
         answers = _wire_chat(app, tab, controls)
@@ -234,6 +237,7 @@ def build(app: ChatApp, api_info: str = "", conversations: Conversations | None 
             trigger(app.switch_preset, source, switch_outputs, concurrency_limit=1,
                     concurrency_id="switch", show_progress="hidden")
         gr.Timer(1.0).tick(app.status, None, status, show_progress="hidden", queue=False)
+        wire_models(models, panel.preset, app.preset_choices, demo)
         demo.load(app.initial_controls, None, switch_outputs, queue=False)
         demo.load(conversations.page, None, chats.outputs(), queue=False)
     return demo
