@@ -120,16 +120,19 @@ def test_app_memory_flat_over_50_answers_with_clear() -> None:
 @pytest.mark.real_model
 def test_app_memory_within_a_conversation_is_the_kv_cache() -> None:
     """One conversation of 16 answers (~1,000 tokens of context): RSS grows by no more than
-    the KV cache's allocation does (it grows with the context, bounded by the model's).
-    Measured after the fix: 2 MB less than the KV cache's growth; before it, 16 MB more (new
-    oneDNN primitives each answer). The margin takes the allocators' settling (see above)."""
+    the KV cache's allocation does (it grows with the context, bounded by the model's), from
+    the fourth answer on: the first ones load what is loaded once (the Markdown renderer and
+    pygments' lexers, the engine thread's first allocations; measured +29 MB over answers 1-8,
+    then flat). Measured from answer 4: 1 MB less than the KV cache's growth; before the
+    oneDNN fix RSS outgrew it (new primitives each answer). The margin takes the allocators'
+    settling (see above)."""
     points = probe("app", 16, 16, 48)
     assert set(points["notices"]) == {""} and points["turns"][-1] == 32
     rss, kv, context = points["rss"], points["kv"], points["context"]
     assert context[-1] > context[0] + 600  # one long conversation
     curve = ", ".join(f"{mb:.0f} (kv {k:.0f}, ctx {c})" for mb, k, c in zip(rss, kv, context,
                                                                              strict=True))
-    assert rss[-1] - rss[0] < kv[-1] - kv[0] + 8, f"RSS by answer (MB): {curve}"
+    assert rss[-1] - rss[3] < kv[-1] - kv[3] + 8, f"RSS by answer (MB): {curve}"
 
 
 @pytest.mark.real_model
