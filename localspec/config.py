@@ -164,6 +164,7 @@ API_MAX_QUEUED = 16
 API_MAX_BODY_BYTES = 8 * 2**20  # a request body past this is answered 413
 API_MAX_STOP = 4  # stop strings per request, as OpenAI allows
 API_MAX_TEMPERATURE = 2.0  # OpenAI's range
+API_STREAM_INTERVAL_S = 0.05  # a stream's events go out together at most this often
 API_RETRY_AFTER_S = 5  # what a 429 or a 503 (models loading) asks a client to wait
 API_KEY_ENV = "LOCALSPEC_API_KEY"  # read when --api-key is not given
 # Saved conversations (localspec/chats/).

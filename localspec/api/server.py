@@ -146,7 +146,8 @@ async def _answer(service: ApiService, request: Request, body: ChatRequest | Com
         return StreamingResponse(_stream(generation, kind, body.include_usage()),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
     try:
-        events = [event async for event in generation.events(request.is_disconnected)]
+        events = [event async for batch in generation.batches(request.is_disconnected)
+                  for event in batch]
     except ApiError:
         raise
     except LocalSpecError as exc:  # the generation failed (a model file gone bad, ...)
@@ -166,12 +167,16 @@ async def _stream(generation: Generation, kind: str, include_usage: bool,
         yield _sse(responses.chunk(job, kind, "", role=True))
     reason = None
     try:
-        async for event in generation.events():
-            tokens = responses.step_tokens(event, texts) if texts is not None else None
-            reason = responses.finish_reason(event)
-            if event.text_delta or tokens or reason is not None:
-                yield _sse(responses.chunk(job, kind, event.text_delta or None, reason,
-                                           tokens=tokens))
+        async for batch in generation.batches():
+            pieces = []
+            for event in batch:
+                tokens = responses.step_tokens(event, texts) if texts is not None else None
+                reason = responses.finish_reason(event)
+                if event.text_delta or tokens or reason is not None:
+                    pieces.append(_sse(responses.chunk(job, kind, event.text_delta or None,
+                                                       reason, tokens=tokens)))
+            if pieces:
+                yield b"".join(pieces)
     except LocalSpecError as exc:
         logger.warning("API generation stopped: %s", exc)
         yield _sse(ServerError(str(exc)).body())
