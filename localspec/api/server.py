@@ -98,7 +98,6 @@ def create_api(host: ModelHost, api_key: str | None = None,
 
     api = FastAPI(title="LocalSpec", docs_url=None, redoc_url=None, openapi_url=None,
                   dependencies=[Depends(authorize)])
-    api.state.service = service
 
     @api.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
