@@ -12,36 +12,16 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
-import socket
 import sys
 import threading
 
+from localspec.api.local_server import bind
 from localspec.api.server import api_key, create_api, root_app
 from localspec.chats.store import ChatStore
-from localspec.errors import ConfigError
 from localspec.host import ModelHost
 from localspec.presets import load_preset
 
 logger = logging.getLogger("localspec.serve")
-
-
-def bind(host: str, port: int) -> socket.socket:
-    """A listening socket on ``host:port``; ConfigError (exit 2) when it cannot be had."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as exc:
-        raise ConfigError(f"--host {host!r}: not an address this machine has ({exc})") from exc
-    family, kind, proto, _, address = infos[0]
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(address)
-        sock.listen(128)
-    except OSError as exc:
-        sock.close()
-        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror} (another server "
-                          "there? choose one with --port)") from exc
-    return sock
 
 
 def is_loopback(host: str) -> bool:
