@@ -54,6 +54,7 @@ def test_the_list_newest_first_and_search(panel: Conversations) -> None:
     assert [value for _, value in choices(listed)] == [second, first]
     assert choices(listed)[0][0].startswith("hello world · ") and listed.chats.value == second
     assert listed.title == "hello world"
+    assert is_skip(panel.listing("", second, retitle=False).title)  # what is typed there stays
     assert [value for _, value in choices(panel.listing("DEF ADD", second))] == [first]
     found = panel.listing("DEF ADD", second)
     assert found.chats.value is None  # the open one is not among those found

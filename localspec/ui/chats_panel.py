@@ -86,6 +86,10 @@ def wire_panel(conversations: Conversations, panel: ChatsPanel, conversation: gr
     def listing(search: str | None, current: int | None) -> PanelView:
         return conversations.listing(search, current)
 
+    def refresh(search: str | None, current: int | None) -> PanelView:
+        """The list drawn again; the rename box keeps what the user may be typing."""
+        return conversations.listing(search, current, retitle=False)
+
     def open_(chosen: int | None, search: str | None, request: gr.Request) -> tuple:
         return conversations.open(chosen, session_of(request), search)
 
@@ -104,9 +108,9 @@ def wire_panel(conversations: Conversations, panel: ChatsPanel, conversation: gr
     conversation.change(listing, [panel.search, conversation], outputs, queue=False,
                         show_progress="hidden")
     for event in answers:
-        event.then(listing, [panel.search, conversation], outputs, queue=False,
+        event.then(refresh, [panel.search, conversation], outputs, queue=False,
                    show_progress="hidden")
-    panel.search.change(listing, [panel.search, conversation], outputs, queue=False,
+    panel.search.change(refresh, [panel.search, conversation], outputs, queue=False,
                         show_progress="hidden")  # typed, pasted or cleared
     panel.chats.input(open_, [panel.chats, panel.search], both, show_progress="hidden")
     panel.new.click(new, [panel.search], both, queue=False)

@@ -77,10 +77,11 @@ class Conversations:
                                f"as {aside} and a new one started.")
         return status_html(f"Saved on this computer in {self.store.path}")
 
-    def listing(self, search: str | None = "", current: int | None = None,
-                **fields: Any) -> PanelView:
-        """The list (newest first; only those holding ``search``), ``current`` selected, and
-        its title in the rename box; ``fields``: the panel's other outputs."""
+    def listing(self, search: str | None = "", current: int | None = None, *,
+                retitle: bool = True, **fields: Any) -> PanelView:
+        """The list (newest first; only those holding ``search``), ``current`` selected, and,
+        with ``retitle``, its title in the rename box (without, the box keeps what the user
+        may be typing there); ``fields``: the panel's other outputs."""
         if self.store is None:
             return view(PanelView, chats=gr.Radio(choices=[], value=None), **fields)
         try:
@@ -90,9 +91,11 @@ class Conversations:
             return view(PanelView, status=status_html(f"⚠ {exc}"), **fields)
         listed = {row.id for row in rows}
         choices = [(label(row), row.id) for row in rows]
+        if retitle:
+            fields["title"] = title
         return view(PanelView, chats=gr.Radio(choices=choices,
                                               value=current if current in listed else None),
-                    title=title, **fields)
+                    **fields)
 
     def page(self) -> PanelView:
         """What a page opening shows: the list and the status line."""
