@@ -12,11 +12,12 @@ from __future__ import annotations
 import ctypes
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from localspec.runtime.kernels import GROUP, KernelUnavailable, load_kernels
-from localspec.runtime.kernels.kquant_formats import Q4KWeights, Q6KWeights
+from localspec.runtime.kernels import GROUP, SUPER, KernelUnavailable, KQuantWeights, load_kernels
+from localspec.runtime.kernels.kquant_formats import Q5KWeights
 
 
 def kernel_cache(factory: pytest.TempPathFactory) -> Path:
@@ -58,7 +59,7 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     return (q * (amax / 127.0)).view(m, k)
 
 
-def reference(x: torch.Tensor, w: Q4KWeights | Q6KWeights,
+def reference(x: torch.Tensor, w: KQuantWeights,
               bias: torch.Tensor | None) -> torch.Tensor:
     """What the kernel computes, in float32 torch (up to the order of the float sums)."""
     y = quantize_activations(x) @ w.dequantize().T
@@ -105,3 +106,23 @@ def attention_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     visible = torch.arange(start + n)[None, :] <= torch.arange(start, start + n)[:, None]
     attention = scores.masked_fill(~visible, float("-inf")).softmax(-1)
     return (attention @ v).transpose(0, 1).reshape(n, heads * d)
+
+
+def q5k_bytes(w: Q5KWeights) -> np.ndarray:
+    """GGUF Q5_K bytes [n, k/256 * 176] of ``w`` (k % 256 == 0): ``parse_q5k``'s inverse,
+    written from ggml's block layout (``block_q5_K``, ``get_scale_min_k4``) so that gguf-py
+    can check what the parser reads."""
+    n, k = w.q.shape
+    supers = k // SUPER
+    sc = w.sc.numpy().reshape(n, supers, 8)
+    mn = w.mn.numpy().reshape(n, supers, 8)
+    scales = np.concatenate([(sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6),
+                             (mn[..., :4] & 63) | ((mn[..., 4:] >> 4) << 6),
+                             (sc[..., 4:] & 0xF) | ((mn[..., 4:] & 0xF) << 4)], axis=-1)
+    q = w.q.numpy().reshape(n, supers, 8, 32)  # element 32 i + l
+    qh = ((q >> 4) << np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)).sum(2, dtype=np.uint8)
+    low = (q & 0xF).reshape(n, supers, 4, 2, 32)  # chunk c: elements 64 c + 32 h + l
+    qs = (low[..., 0, :] | (low[..., 1, :] << 4)).reshape(n, supers, 128)
+    halves = [t.numpy().astype(np.float16).view(np.uint8).reshape(n, supers, 2)
+              for t in (w.d, w.dmin)]
+    return np.concatenate([*halves, scales.astype(np.uint8), qh, qs], axis=-1).reshape(n, -1)

@@ -6,6 +6,7 @@ cache filled by huggingface_hub itself from a local stand-in for the Hub."""
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -86,18 +87,28 @@ def test_a_truncated_gguf_is_refused(tmp_path: Path, keep: float) -> None:
         read_gguf_header(cut)
 
 
-def test_native_path_is_decided_from_the_names_the_loader_uses(tmp_path: Path) -> None:
-    """Q4_K and Q6_K layer matrices of a llama/qwen2 file are native; any other type or
-    architecture is not, and says why; and the loader's own lists are those names."""
+def test_native_path_is_decided_from_the_names_the_loader_uses(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Q4_K, Q5_K, Q6_K, Q8_0 and Q4_0 layer matrices of a llama/qwen2 file are native; any
+    other type or architecture is not, and says why; and the loader's own lists are those
+    names."""
     assert CPU_MODEL_TYPES == NATIVE_ARCHITECTURES
     native = write_gguf(tmp_path / "n.gguf", hidden=256, types={"*": "Q4_K", "ffn_down": "Q6_K"})
     assert describe(native).native and describe(native).quantization == "Q4_K_M (Q4_K, Q6_K)"
-    mixed = write_gguf(tmp_path / "m.gguf", hidden=256, types={"*": "Q4_K", "attn_v": "Q8_0"})
-    assert "Q8_0" in describe(mixed).native_reason
-    # what w4a8 takes as stored is exactly the NATIVE_GGUF_TYPES matrices
-    taken = set(read_kquant_matrices(mixed))
+    legacy = write_gguf(tmp_path / "l.gguf", hidden=256,
+                        types={"*": "Q8_0", "attn_v": "Q4_0", "ffn_down": "Q5_K"})
+    assert describe(legacy).native and len(read_kquant_matrices(legacy)) == 7
+    mixed = write_gguf(tmp_path / "m.gguf", hidden=256, types={"*": "Q4_K", "attn_v": "Q4_1"})
+    assert "Q4_1" in describe(mixed).native_reason
+    # what w4a8 takes as stored is exactly the NATIVE_GGUF_TYPES matrices; the others are
+    # named in one logged line
+    with caplog.at_level(logging.WARNING):
+        matrices = read_kquant_matrices(mixed)
+    taken = set(matrices)
     assert taken == {m for m in taken if "v_proj" not in m} and len(taken) == 6
-    assert set(NATIVE_GGUF_TYPES) == {"Q4_K", "Q6_K"}
+    assert matrices.unserved == ("Q4_1",)
+    assert "Q4_1 matrices have no native kernel" in caplog.text
+    assert set(NATIVE_GGUF_TYPES) == {"Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0"}
     phi = write_gguf(tmp_path / "p.gguf", arch="phi3", hidden=256, types={"*": "Q4_K"})
     assert "architecture 'phi3'" in describe(phi).native_reason
     assert "not a GGUF" in native_reason("llama", None)

@@ -46,7 +46,7 @@ from localspec.models.cache import (
     verify_manifest,
     weights_intact,
 )
-from localspec.models.gguf_kquants import read_kquant_matrices
+from localspec.models.gguf_kquants import read_kquant_matrices, unserved_message
 from localspec.models.packed_store import cpu_decoder, cpu_format, kquant_source, stored_decoder
 from localspec.runtime.decoder import CpuDecoder, unsupported_reason
 from localspec.runtime.quant import quantize_int8_weight_only
@@ -344,6 +344,8 @@ def load_model(spec: ModelSpec, progress: Progress = no_progress,
         progress(f"{kind} weights of {spec.model}", 0.9)
         source = kquant_source(spec, progress) if kind != "w8a8" else None
         q4k = read_kquant_matrices(source) if source is not None else None
+        if q4k is not None and q4k.unserved:  # logged by the reader
+            progress(unserved_message(source, q4k.unserved), 0.9)
         decoder = cpu_decoder(model, folder, kind, q4k, kernel_lib)
     progress(f"loaded {spec.model}", 1.0)
     return LoadedModel(spec.model, model, tokenizer, folder, time.perf_counter() - start,

@@ -63,7 +63,7 @@ WEIGHTS_NAME = "packed-weights.safetensors"  # the same name in every kind's fol
 # answers computed through them (training/target.py) are then stale too
 NUMERICS = "3"
 # bump when the file's names or layout change, or what is stored to check it: packs are rebuilt
-FORMAT = "4"
+FORMAT = "5"
 _CRC_KEY = "crc32"  # metadata: JSON {tensor name: CRC32 of its name, dtype, shape and bytes}
 _CHUNK = 8 * 1024 * 1024  # a memory-mapped tensor's check reads it in pieces of this size
 

@@ -23,20 +23,21 @@ import torch
 
 from localspec.runtime.kernels.abi import MAX_PARTS, KFused, KLayer, KModel, KStep
 from localspec.runtime.kernels.row_attention import RowAttention
-from localspec.runtime.quant import Q4KLinear, Q6KLinear
+from localspec.runtime.quant import Q4KLinear
 from localspec.runtime.weight_formats import ConcatLinear, Linear
 
 
 def _fused(linear: Linear, width: int) -> KFused | None:
-    """The C description of a projection from ``width`` inputs (None: not all Q4_K / Q6_K)."""
+    """The C description of a projection from ``width`` inputs (None: not all in native
+    kernels)."""
     parts = linear.parts if isinstance(linear, ConcatLinear) else [linear]
     if len(parts) > MAX_PARTS:
         return None
     fused = KFused(parts=len(parts))
     for slot, part in zip(fused.part, parts, strict=False):
-        if not isinstance(part, Q4KLinear) or part.in_features != width:  # Q6KLinear is one
+        if not isinstance(part, Q4KLinear) or part.in_features != width:  # each native one is
             return None
-        slot.kind = 6 if isinstance(part, Q6KLinear) else 4
+        slot.kind = part.KIND
         slot.n = part.out_features
         for i, name in enumerate(part.PACKED):
             slot.t[i] = part.packed[name].data_ptr()

@@ -13,7 +13,8 @@ crush everything else in the tensor onto a few levels (top-1 agreement with bf16
 ``Q4KLinear`` reads a third of those bytes for matrices a GGUF file stores as Q4_K: its weights
 exactly as the file has them, times int8 activations with one scale per group of 32, in a
 native kernel (``localspec.runtime.kernels``) whose rows, too, do not depend on each other;
-``Q6KLinear`` does the same for a file's Q6_K matrices (6.6 bits a weight).
+``Q6KLinear`` does the same for a file's Q6_K matrices (6.6 bits a weight), and ``Q5KLinear``,
+``Q8_0Linear``, ``Q4_0Linear`` for its Q5_K (5.5), Q8_0 (8.5) and Q4_0 (4.5) matrices.
 
 ``Int8WeightOnlyLinear`` (``_weight_int8pack_mm``) reads the same bytes but costs more per row:
 fine for a one-token draft step, poor for verifying 16 tokens.
@@ -30,13 +31,21 @@ import torch
 from torch import nn
 
 from localspec.config import MAX_SPECULATIVE_TOKENS
+from localspec.runtime.kernels.abi import KIND_Q4_0, KIND_Q4_K, KIND_Q5_K, KIND_Q6_K, KIND_Q8_0
 from localspec.runtime.kernels.kquant_formats import (
     Q4K_PACKED,
+    Q5K_PACKED,
     Q6K_PACKED,
-    Q4KWeights,
-    Q6KWeights,
     pack_q4k,
+    pack_q5k,
     pack_q6k,
+)
+from localspec.runtime.kernels.q32_formats import (
+    Q4_0_PACKED,
+    Q8_0_PACKED,
+    KQuantWeights,
+    pack_q4_0,
+    pack_q8_0,
 )
 
 EXACT_ROWS = MAX_SPECULATIVE_TOKENS + 1  # the widest verify pass: fed to oneDNN unpadded
@@ -121,10 +130,13 @@ def row_pieces(n: int) -> list[tuple[int, int, int]]:
 
 
 class Q4KLinear:
-    """y = x W^T + b with W in Q4_K (see ``localspec.runtime.kernels``); float32 in and out."""
+    """y = x W^T + b with W in Q4_K (see ``localspec.runtime.kernels``); float32 in and out.
+    The other GGUF types' layers are this one with another kernel and packing."""
 
     PACKED = Q4K_PACKED  # the kernel's tensors, in its argument order
-    FUNCTION, WHAT = "q4k_linear", "Q4_K"
+    FUNCTION, WHAT, KIND = "q4k_linear", "Q4_K", KIND_Q4_K  # KIND: decoder_forward's KPart kind
+    QS_BITS = 4  # bits a weight in PACKED[0]
+    PACK = staticmethod(pack_q4k)
 
     def __init__(self, packed: Mapping[str, torch.Tensor], bias: torch.Tensor | None,
                  lib: ctypes.CDLL) -> None:
@@ -132,15 +144,17 @@ class Q4KLinear:
         self.packed = {name: packed[name].contiguous() for name in self.PACKED}
         blocks, _, rows = self.packed["d"].shape
         self.out_features = blocks * rows
-        self.in_features = self.packed["qs"].numel() * 2 // self.out_features
+        self.in_features = (self.packed[self.PACKED[0]].numel() * 8
+                            // (self.QS_BITS * self.out_features))
         self.bias = None if bias is None else bias.detach().float()
         self._kernel = getattr(lib, self.FUNCTION)
         self._pointers = [self.packed[name].data_ptr() for name in self.PACKED]
 
     @classmethod
-    def from_weights(cls, weights: Q4KWeights, bias: torch.Tensor | None,
+    def from_weights(cls, weights: KQuantWeights, bias: torch.Tensor | None,
                      lib: ctypes.CDLL) -> Q4KLinear:
-        return cls(pack_q4k(weights), bias, lib)
+        """From unpacked weights of the class's type (``Q4KWeights`` here)."""
+        return cls(cls.PACK(weights), bias, lib)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2 or x.shape[1] != self.in_features:  # the kernel would read past x
@@ -157,12 +171,35 @@ class Q6KLinear(Q4KLinear):
     """The same for W in Q6_K (``pack_q6k``): 6.6 bits a weight where int8 reads 8."""
 
     PACKED = Q6K_PACKED
-    FUNCTION, WHAT = "q6k_linear", "Q6_K"
+    FUNCTION, WHAT, KIND = "q6k_linear", "Q6_K", KIND_Q6_K
+    PACK = staticmethod(pack_q6k)
 
-    @classmethod
-    def from_weights(cls, weights: Q6KWeights, bias: torch.Tensor | None,  # type: ignore[override]
-                     lib: ctypes.CDLL) -> Q6KLinear:
-        return cls(pack_q6k(weights), bias, lib)
+
+class Q5KLinear(Q4KLinear):
+    """The same for W in Q5_K (``pack_q5k``: the nibbles and fifth bits in one tensor)."""
+
+    PACKED = Q5K_PACKED
+    FUNCTION, WHAT, KIND, QS_BITS = "q5k_linear", "Q5_K", KIND_Q5_K, 5
+    PACK = staticmethod(pack_q5k)
+
+
+class Q8_0Linear(Q4KLinear):
+    """The same for W in Q8_0 (``pack_q8_0``): one scale per 32 weights of 8 bits."""
+
+    PACKED = Q8_0_PACKED
+    FUNCTION, WHAT, KIND, QS_BITS = "q8_0_linear", "Q8_0", KIND_Q8_0, 8
+    PACK = staticmethod(pack_q8_0)
+
+
+class Q4_0Linear(Q4KLinear):
+    """The same for W in Q4_0 (``pack_q4_0``): one scale per 32 weights of 4 bits."""
+
+    PACKED = Q4_0_PACKED
+    FUNCTION, WHAT, KIND = "q4_0_linear", "Q4_0", KIND_Q4_0
+    PACK = staticmethod(pack_q4_0)
+
+
+NATIVE_LINEARS = (Q4KLinear, Q5KLinear, Q6KLinear, Q8_0Linear, Q4_0Linear)
 
 
 class DenseLinear:

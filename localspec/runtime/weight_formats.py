@@ -4,9 +4,9 @@ store). Kept apart from the forward itself (``decoder``): this is the part that 
 new weight format arrives.
 
 Formats, by ``kind``: "dense" (the loaded dtype), "w8a8" (int8 rows with one scale each,
-``W8A8Linear``), "w4a8" (a GGUF's Q4_K and Q6_K matrices as stored, ``Q4KLinear`` and
-``Q6KLinear``, the LM head included; others w8a8) and "requant-q4k" (every layer matrix
-quantized to Q4_K, the head int8: a draft's head is cut to frequent rows). In the w8a8
+``W8A8Linear``), "w4a8" (a GGUF's Q4_K, Q5_K, Q6_K, Q8_0 and Q4_0 matrices as stored,
+``quant.NATIVE_LINEARS``, a Q6_K LM head included; others w8a8) and "requant-q4k" (every
+layer matrix quantized to Q4_K, the head int8: a draft's head is cut to frequent rows). In the w8a8
 layers the down projection's weight is turned by a block Hadamard rotation (``hadamard``) and
 the forward turns its input the same way (``rotate``): see the decoder's docstring.
 """
@@ -20,20 +20,21 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from localspec.runtime.kernels.kquant_formats import (
-    Q4K_PACKED,
-    Q6K_PACKED,
-    KQuantWeights,
     Q4KWeights,
+    Q5KWeights,
     Q6KWeights,
-    pack_q4k,
-    pack_q6k,
     quantize_q4k,
     unpack_q6k,
 )
+from localspec.runtime.kernels.q32_formats import KQuantWeights, Q4_0Weights, Q8_0Weights
 from localspec.runtime.quant import (
+    NATIVE_LINEARS,
     DenseLinear,
+    Q4_0Linear,
     Q4KLinear,
+    Q5KLinear,
     Q6KLinear,
+    Q8_0Linear,
     W8A8Linear,
     quantize_per_channel,
 )
@@ -73,15 +74,21 @@ def rotate(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
                       for row in x])
 
 
+# The serving of each form a file's matrix is kept in, by the name ``_segments`` gives it.
+_NATIVE: dict[str, tuple[type, type[Q4KLinear]]] = {
+    "q4k": (Q4KWeights, Q4KLinear), "q5k": (Q5KWeights, Q5KLinear),
+    "q6k": (Q6KWeights, Q6KLinear), "q8_0": (Q8_0Weights, Q8_0Linear),
+    "q4_0": (Q4_0Weights, Q4_0Linear)}
+
+
 def _fused(kind: str, modules: list[nn.Linear],
            exact: list[KQuantWeights] | None = None) -> dict[str, torch.Tensor]:
-    """The tensors of one fused linear layer: the packed ``exact`` Q4_K or Q6_K weights ("q4k",
-    "q6k"), int8 rows and scales ("w8a8") or the weight ("dense"), and the bias if any module
-    has one."""
-    if kind == "q4k":
-        tensors = pack_q4k(Q4KWeights.cat(exact or []))  # type: ignore[arg-type]
-    elif kind == "q6k":
-        tensors = pack_q6k(Q6KWeights.cat(exact or []))  # type: ignore[arg-type]
+    """The tensors of one fused linear layer: the packed ``exact`` file weights (a kind of
+    ``_NATIVE``), int8 rows and scales ("w8a8") or the weight ("dense"), and the bias if any
+    module has one."""
+    if kind in _NATIVE:
+        weights, linear = _NATIVE[kind]
+        tensors = linear.PACK(weights.cat(exact or []))
     else:
         weight = torch.cat([m.weight.detach() for m in modules])
         tensors = dict(zip(("q", "scale"), quantize_per_channel(weight), strict=True)
@@ -94,8 +101,8 @@ def _fused(kind: str, modules: list[nn.Linear],
 
 def _exact(module: nn.Linear, name: str, stored: Mapping[str, KQuantWeights]
            ) -> KQuantWeights | None:
-    """The module's Q4_K or Q6_K weights if ``stored`` has them and they are exactly its
-    weight (as loaded, in its dtype): never another model's numbers."""
+    """The module's file weights (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0) if ``stored`` has them and
+    they are exactly its weight (as loaded, in its dtype): never another model's numbers."""
     if name not in stored:
         return None
     weights = stored[name]
@@ -109,8 +116,8 @@ def _exact(module: nn.Linear, name: str, stored: Mapping[str, KQuantWeights]
 def _segments(modules: list[nn.Linear], names: list[str],
               stored: Mapping[str, KQuantWeights], requantize: bool
               ) -> list[tuple[str, list[nn.Linear], list[KQuantWeights]]]:
-    """Consecutive modules of one fused layer grouped by how they are served: "q4k" or "q6k"
-    (exact file weights; rows in blocks of 16, inputs in groups of 32) or "w8a8". With
+    """Consecutive modules of one fused layer grouped by how they are served: a kind of
+    ``_NATIVE`` (exact file weights; rows in blocks of 16, inputs in groups of 32) or "w8a8". With
     ``requantize`` every matrix is Q4_K (a draft's: the fewest bytes)."""
     out: list[tuple[str, list[nn.Linear], list[KQuantWeights]]] = []
     for module, name in zip(modules, names, strict=True):
@@ -119,7 +126,8 @@ def _segments(modules: list[nn.Linear], names: list[str],
             exact = _exact(module, name, stored)
             if requantize and not isinstance(exact, Q4KWeights):
                 exact = quantize_q4k(module.weight)
-        kind = {Q4KWeights: "q4k", Q6KWeights: "q6k"}.get(type(exact), "w8a8")
+        kind = next((name for name, (form, _) in _NATIVE.items() if type(exact) is form),
+                    "w8a8")
         if out and out[-1][0] == kind:
             out[-1][1].append(module)
             if exact is not None:
@@ -135,10 +143,10 @@ def export_weights(model: PreTrainedModel, kind: str = "w8a8",
     ``localspec.models.packed_store`` saves so that later starts skip the quantization). The
     model's layer weights are released as they are converted.
 
-    "w4a8": the matrices ``q4k`` holds (by module name, as a GGUF file stores them, Q4_K or
-    Q6_K) that are exactly the model's weights are kept so for the native kernels; all others
-    are w8a8. "requant-q4k": every other layer matrix is quantized to Q4_K. A fused layer
-    is then stored as segments ``<name>.<s>.*`` of one kind each."""
+    "w4a8": the matrices ``q4k`` holds (by module name, as a GGUF file stores them: Q4_K,
+    Q5_K, Q6_K, Q8_0 or Q4_0) that are exactly the model's weights are kept so for the native
+    kernels; all others are w8a8. "requant-q4k": every other layer matrix is quantized to Q4_K.
+    A fused layer is then stored as segments ``<name>.<s>.*`` of one kind each."""
     q4k = q4k or {}
     backbone = model.base_model
     module_names = {module: name for name, module in model.named_modules()}
@@ -177,15 +185,18 @@ def export_weights(model: PreTrainedModel, kind: str = "w8a8",
 
 def _one_linear(weights: Mapping[str, torch.Tensor], prefix: str, lib: object | None) -> Linear:
     bias = weights.get(f"{prefix}.bias")
-    if f"{prefix}.qs" in weights:
-        if lib is None:
-            raise ValueError(f"{prefix} is stored in Q4_K or Q6_K, and no kernel was given")
-        if f"{prefix}.qh" in weights:
-            return Q6KLinear({k: weights[f"{prefix}.{k}"] for k in Q6K_PACKED}, bias, lib)
-        return Q4KLinear({k: weights[f"{prefix}.{k}"] for k in Q4K_PACKED}, bias, lib)
+    for linear in (Q6KLinear, Q5KLinear, Q8_0Linear, Q4_0Linear, Q4KLinear):  # Q4_K's keys last
+        if all(f"{prefix}.{k}" in weights for k in linear.PACKED):
+            if lib is None:
+                raise ValueError(f"{prefix} is stored in {linear.WHAT}, and no kernel was given")
+            return linear({k: weights[f"{prefix}.{k}"] for k in linear.PACKED}, bias, lib)
     if f"{prefix}.q" in weights:
         return W8A8Linear(weights[f"{prefix}.q"], weights[f"{prefix}.scale"], bias)
     return DenseLinear(weights[f"{prefix}.weight"], bias)
+
+
+# The first tensor of each way a layer is stored (a native kernel's, w8a8's, dense)
+_FIRST_KEYS = (*dict.fromkeys(linear.PACKED[0] for linear in NATIVE_LINEARS), "q", "weight")
 
 
 class ConcatLinear:
@@ -201,10 +212,10 @@ class ConcatLinear:
 
 def layer_linear(weights: Mapping[str, torch.Tensor], prefix: str, lib: object | None) -> Linear:
     """The layer stored under ``prefix``: one tensor set, or segments ``prefix.0``, ..."""
-    if not any(f"{prefix}.0.{k}" in weights for k in ("qs", "q", "weight")):
+    if not any(f"{prefix}.0.{k}" in weights for k in _FIRST_KEYS):
         return _one_linear(weights, prefix, lib)
     parts = []
-    while any(f"{prefix}.{len(parts)}.{k}" in weights for k in ("qs", "q", "weight")):
+    while any(f"{prefix}.{len(parts)}.{k}" in weights for k in _FIRST_KEYS):
         parts.append(_one_linear(weights, f"{prefix}.{len(parts)}", lib))
     return parts[0] if len(parts) == 1 else ConcatLinear(parts)
 

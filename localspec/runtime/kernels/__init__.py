@@ -16,9 +16,10 @@ the tensor calls between them from Python would be a sixth of a step.
 
 Modules: ``library`` builds and loads the library (variants, CPU features, the cache),
 ``abi`` mirrors its C interface for ctypes and checks it, ``row_attention`` wraps
-``attend_rows``, ``kquant_formats`` holds the Q4_K / Q6_K weight formats (parse, quantize,
-pack). Where no variant can be built, ``load_kernels`` says why and callers keep the oneDNN
-int8 path. The names below are the package's public interface.
+``attend_rows``, ``kquant_formats`` holds the Q4_K / Q5_K / Q6_K weight formats (parse,
+quantize, pack) and ``q32_formats`` the Q8_0 / Q4_0 ones. Where no variant can be built,
+``load_kernels`` says why and callers keep the oneDNN int8 path. The names below are the
+package's public interface.
 """
 
 from localspec.runtime.kernels.kquant_formats import (
@@ -30,14 +31,17 @@ from localspec.runtime.kernels.kquant_formats import (
     Q6K_GROUP,
     Q6K_PACKED,
     SUPER,
-    KQuantWeights,
     Q4KWeights,
+    Q5KWeights,
     Q6KWeights,
     pack_q4k,
+    pack_q5k,
     pack_q6k,
     parse_q4k,
+    parse_q5k,
     parse_q6k,
     quantize_q4k,
+    quantize_q5k,
     quantize_q6k,
     unpack_q6k,
 )
@@ -51,12 +55,25 @@ from localspec.runtime.kernels.library import (
     runnable_variants,
     serving_kernels,
 )
+from localspec.runtime.kernels.q32_formats import (
+    KQuantWeights,
+    Q4_0Weights,
+    Q8_0Weights,
+    pack_q4_0,
+    pack_q8_0,
+    parse_q4_0,
+    parse_q8_0,
+    quantize_q4_0,
+    quantize_q8_0,
+)
 from localspec.runtime.kernels.row_attention import RowAttention
 
 __all__ = [
     "BLOCK_ROWS", "GROUP", "KERNELS_ENV", "Q4K_BLOCK_BYTES", "Q4K_PACKED", "Q6K_BLOCK_BYTES",
     "Q6K_GROUP", "Q6K_PACKED", "SUPER", "VARIANTS", "KQuantWeights", "KernelUnavailable",
-    "Q4KWeights", "Q6KWeights", "RowAttention", "cpu_features", "load_kernels", "pack_q4k",
-    "pack_q6k", "parse_q4k", "parse_q6k", "pick_variant", "quantize_q4k", "quantize_q6k",
-    "runnable_variants", "serving_kernels", "unpack_q6k",
+    "Q4KWeights", "Q4_0Weights", "Q5KWeights", "Q6KWeights", "Q8_0Weights", "RowAttention",
+    "cpu_features", "load_kernels", "pack_q4_0", "pack_q4k", "pack_q5k", "pack_q6k",
+    "pack_q8_0", "parse_q4_0", "parse_q4k", "parse_q5k", "parse_q6k", "parse_q8_0",
+    "pick_variant", "quantize_q4_0", "quantize_q4k", "quantize_q5k", "quantize_q6k",
+    "quantize_q8_0", "runnable_variants", "serving_kernels", "unpack_q6k",
 ]

@@ -17,12 +17,22 @@ from localspec.runtime.kernels.kquant_formats import (
     GROUP,
     Q4K_BLOCK_BYTES,
     Q4K_PACKED,
+    Q5K_BLOCK_BYTES,
+    Q5K_PACKED,
     Q6K_BLOCK_BYTES,
     Q6K_PACKED,
     SUPER,
 )
+from localspec.runtime.kernels.q32_formats import (
+    Q4_0_BLOCK_BYTES,
+    Q4_0_PACKED,
+    Q8_0_BLOCK_BYTES,
+    Q8_0_PACKED,
+)
 
-ABI_VERSION = 1  # kernels.h's KERNELS_ABI_VERSION
+ABI_VERSION = 2  # kernels.h's KERNELS_ABI_VERSION
+# KPart kinds (kernels.h): ggml's type numbers for the legacy types, the bits for k-quants
+KIND_Q4_0, KIND_Q4_K, KIND_Q5_K, KIND_Q6_K, KIND_Q8_0 = 2, 4, 5, 6, 8
 MAX_PARTS = 4  # linear layers side by side in one fused projection
 MAX_HEAD_DIM = 256  # attend_rows' limits
 MAX_SHARED = 16  # query heads per key-value head
@@ -31,7 +41,7 @@ _pointer, _size, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, c
 
 
 class KPart(ctypes.Structure):
-    """One Q4_K (kind 4) or Q6_K (kind 6) matrix of n rows: its packed tensors, its bias."""
+    """One quantized matrix of n rows (its KIND_*): its packed tensors, its bias."""
 
     _fields_ = [("kind", _size), ("n", _size), ("t", _pointer * 5), ("bias", _pointer)]
 
@@ -73,6 +83,12 @@ FUNCTIONS: dict[str, tuple[type, list[type]]] = {
                           _pointer, _int]),
     "q6k_linear": (_int, [_pointer, _size, _size, *[_pointer] * len(Q6K_PACKED), _size,
                           _pointer, _int]),
+    "q5k_linear": (_int, [_pointer, _size, _size, *[_pointer] * len(Q5K_PACKED), _size,
+                          _pointer, _int]),
+    "q8_0_linear": (_int, [_pointer, _size, _size, *[_pointer] * len(Q8_0_PACKED), _size,
+                           _pointer, _int]),
+    "q4_0_linear": (_int, [_pointer, _size, _size, *[_pointer] * len(Q4_0_PACKED), _size,
+                           _pointer, _int]),
     # q, keys, values, capacity, start, n, heads, kv_heads, head_dim, scale, out, threads
     "attend_rows": (_int, [_pointer, _pointer, _pointer, *[_size] * 6, _float, _pointer,
                            _int]),
@@ -88,7 +104,13 @@ def expected_layout() -> str:
                  "MAX_PARTS": MAX_PARTS, "MAX_HEAD_DIM": MAX_HEAD_DIM, "MAX_SHARED": MAX_SHARED,
                  "sizeof(GgufBlockQ4K)": Q4K_BLOCK_BYTES, "sizeof(GgufBlockQ6K)": Q6K_BLOCK_BYTES,
                  "sizeof(Q4KGroup)": BLOCK_ROWS * GROUP // 2,
-                 "sizeof(Q6KTop)": BLOCK_ROWS * GROUP // 4}
+                 "sizeof(Q6KTop)": BLOCK_ROWS * GROUP // 4,
+                 "sizeof(GgufBlockQ5K)": Q5K_BLOCK_BYTES, "sizeof(GgufBlockQ8_0)": Q8_0_BLOCK_BYTES,
+                 "sizeof(GgufBlockQ4_0)": Q4_0_BLOCK_BYTES,
+                 "sizeof(Q5KGroup)": BLOCK_ROWS * GROUP * 5 // 8,
+                 "sizeof(Q8Group)": BLOCK_ROWS * GROUP, "KIND_Q4_0": KIND_Q4_0,
+                 "KIND_Q4_K": KIND_Q4_K, "KIND_Q5_K": KIND_Q5_K, "KIND_Q6_K": KIND_Q6_K,
+                 "KIND_Q8_0": KIND_Q8_0}
     text = "".join(f"{name}={value};" for name, value in constants.items())
     for struct in _STRUCTS:
         fields = "".join(f" {name}@{getattr(struct, name).offset}" for name, *_ in struct._fields_)

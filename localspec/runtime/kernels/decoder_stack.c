@@ -1,5 +1,5 @@
 /* The whole decoder stack of a Llama-family model (Qwen2: q/k/v biases) in one call, for a
- * few new tokens: RMSNorm, the Q4_K / Q6_K projections (kquant_matmul.c), RoPE, the bf16 KV
+ * few new tokens: RMSNorm, the quantized projections (kquant_matmul.c), RoPE, the bf16 KV
  * cache write, attend_rows (attention.c), SwiGLU and both residual adds. The same work as the
  * Python loop over layers, without its ~35 tensor calls a layer (about 9 ms of a 1.5B
  * one-token step, 20 ms of a 16-token pass, and a larger share of a 0.5B draft's step). Every
@@ -28,9 +28,15 @@ static int fused_linear(const KFused *f, const float *x, int64_t m, int64_t k, f
     int ok = scratch_make(&s, x, m, k, 1, threads) == 0;
     for (int64_t i = 0, at = 0; ok && i < f->parts; at += f->part[i].n, i++) {
         const KPart *p = &f->part[i];
-        if (p->kind == 4)
+        if (p->kind == KIND_Q4_K)
             q4k_run(&s, m, k, p->t[0], p->t[1], p->t[2], p->t[3], p->t[4], p->n, y + at, width,
                     threads);
+        else if (p->kind == KIND_Q5_K)
+            q5k_run(&s, m, k, p->t[0], p->t[1], p->t[2], p->t[3], p->t[4], p->n, y + at, width,
+                    threads);
+        else if (p->kind == KIND_Q8_0 || p->kind == KIND_Q4_0)
+            q32_run(&s, p->kind == KIND_Q8_0 ? 8 : 4, m, k, p->t[0], p->t[1], p->n, y + at,
+                    width, threads);
         else
             q6k_run(&s, m, k, p->t[0], p->t[1], p->t[2], p->t[3], p->n, y + at, width, threads);
         for (int64_t r = 0; p->bias && r < m; r++)

@@ -1,8 +1,9 @@
 /* The native kernels of LocalSpec's quantized CPU forward: the one header of the library.
  *
  * What the library holds, by file:
- *   kquant_matmul.c  W4A8 products over GGUF Q4_K and Q6_K weights (activations quantized to
- *                    int8 here); the per-instruction-set inner loops are kquant_<variant>.h
+ *   kquant_matmul.c  products over GGUF Q4_K, Q5_K, Q6_K, Q8_0 and Q4_0 weights (activations
+ *                    quantized to int8 here); the per-instruction-set inner loops are
+ *                    kquant_<variant>.h
  *   attention.c      attention of new query rows over a bf16 KV cache (attend_rows)
  *   decoder_stack.c  the whole decoder stack of a Llama-family model in one call
  *   abi.c            what the loader checks before any use: ABI version, struct layouts
@@ -30,7 +31,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define KERNELS_ABI_VERSION 1
+#define KERNELS_ABI_VERSION 2
 
 #if defined(KERNELS_AVX512) + defined(KERNELS_AVX2) > 1
 #error "build one variant: KERNELS_AVX512, KERNELS_AVX2 or neither (portable)"
@@ -60,6 +61,8 @@
  * Q4_K: w = d * sc_g * q - dmin * mn_g, q in 0..15, one (sc, mn) pair of 6-bit integers per
  * group of GROUP inputs and one (d, dmin) pair per SUPER. Q6_K: w = d * sc_h * (q - 32),
  * q in 0..63, one signed 8-bit scale per half-group of 16 inputs and one d per SUPER.
+ * Q5_K: Q4_K with a fifth bit (q in 0..31). Q8_0: w = d * q, q in -128..127, one d per GROUP.
+ * Q4_0: w = d * (q - 8), q in 0..15, one d per GROUP.
  *
  * As a GGUF file stores them (parsed in Python, localspec/runtime/kernels/kquant_formats.py):
  */
@@ -80,13 +83,33 @@ typedef struct {
 } GgufBlockQ6K;
 static_assert(sizeof(GgufBlockQ6K) == 210, "a GGUF Q6_K block is 210 bytes");
 
-/* As the kernels read them (made by pack_q4k / pack_q6k): output rows in blocks of
+typedef struct {
+    uint16_t d, dmin;        /* fp16 */
+    uint8_t scales[12];      /* as Q4_K's */
+    uint8_t qh[SUPER / 8];   /* bit i of byte l: the fifth bit of input 32 i + l */
+    uint8_t qs[SUPER / 2];   /* low 4 bits, as Q4_K's nibbles */
+} GgufBlockQ5K;
+static_assert(sizeof(GgufBlockQ5K) == 176, "a GGUF Q5_K block is 176 bytes");
+
+typedef struct { uint16_t d; int8_t qs[GROUP]; } GgufBlockQ8_0;
+static_assert(sizeof(GgufBlockQ8_0) == 34, "a GGUF Q8_0 block is 34 bytes");
+
+typedef struct { uint16_t d; uint8_t qs[GROUP / 2]; } GgufBlockQ4_0;  /* byte j: q[j], q[j+16] */
+static_assert(sizeof(GgufBlockQ4_0) == 18, "a GGUF Q4_0 block is 18 bytes");
+
+/* As the kernels read them (made by pack_q4k, pack_q5k, ...): output rows in blocks of
  * BLOCK_ROWS, inputs in groups of GROUP, every array block-major then group-major:
  *   Q4_K qs  [N/16][K/32] Q4KGroup; sc, mn [N/16][K/32][16] u8;
  *        d, dmin [N/16][ceil(K/256)][16] f32 (a width that is not a multiple of 256, such as
  *        896, ends in a partial super-block).
  *   Q6_K qs  as Q4_K's, for the low 4 bits of q; qh [N/16][K/32] Q6KTop;
  *        sc [N/16][K/16][16] i8; d [N/16][K/256][16] f32.
+ *   Q5_K qs  [N/16][K/32] Q5KGroup (Q4_K's nibbles and the fifth bits); sc, mn, d, dmin as
+ *        Q4_K's.
+ *   Q8_0 qs  [N/16][K/32] Q8Group; d [N/16][K/32][16] f32.
+ *   Q4_0 qs  [N/16][K/32] Q4KGroup; d [N/16][K/32][16] f32.
+ * An operand is 16 rows x 4 inputs (64 bytes, byte 4 r + j for row r, input j): operand o of
+ * a group covers its inputs 4 o .. 4 o + 3 (o = 2 i + s: nibble s of Q4KGroup's load i).
  */
 typedef struct {
     /* load i (0..3) holds, at byte 4 * r + j, the low nibble q[r][8i + j] and the high nibble
@@ -103,10 +126,24 @@ typedef struct {
 } Q6KTop;
 static_assert(sizeof(Q6KTop) == BLOCK_ROWS * GROUP / 4, "Q6KTop: 2 bits a weight");
 
+typedef struct {
+    Q4KGroup low;     /* the low 4 bits */
+    uint8_t top[64];  /* byte p holds, at bit o, the fifth bit of operand o at byte p */
+} Q5KGroup;
+static_assert(sizeof(Q5KGroup) == BLOCK_ROWS * GROUP * 5 / 8, "Q5KGroup: 5 bits a weight");
+
+typedef struct {
+    /* operand o (0..7): q + 128 as u8, so that VNNI's u8 x s8 products take it */
+    uint8_t operand[8][64];
+} Q8Group;
+static_assert(sizeof(Q8Group) == BLOCK_ROWS * GROUP, "Q8Group: 8 bits a weight");
+
 /* --------------------------------------------------------------------- the decoder stack
- * decoder_forward's arguments: every layer's fused projections (kind 4: Q4_K, with its
- * tensors qs, sc, mn, d, dmin in t[0..4]; kind 6: Q6_K, with qs, qh, sc, d), the model's
- * shape, and one call's rows. */
+ * decoder_forward's arguments: every layer's fused projections (a KPart's kind and its packed
+ * tensors in t[], in the order of the product's arguments below: Q4_K qs, sc, mn, d, dmin;
+ * Q5_K the same; Q6_K qs, qh, sc, d; Q8_0 and Q4_0 qs, d), the model's shape, and one call's
+ * rows. The kinds are ggml's type numbers for the legacy types. */
+enum { KIND_Q4_0 = 2, KIND_Q4_K = 4, KIND_Q5_K = 5, KIND_Q6_K = 6, KIND_Q8_0 = 8 };
 #define MAX_PARTS 4     /* linear layers side by side in one fused projection */
 #define MAX_HEAD_DIM 256
 #define MAX_SHARED 16   /* query heads per key-value head */
@@ -154,6 +191,15 @@ KERNELS_API int q4k_linear(const float *x, int64_t m_rows, int64_t k, const uint
 KERNELS_API int q6k_linear(const float *x, int64_t m_rows, int64_t k, const uint8_t *qs,
                            const uint8_t *qh, const int8_t *sc, const float *d, int64_t n,
                            float *y, int threads);
+/* The same for packed Q5_K weights (qs: Q5KGroup); k % 32 == 0. */
+KERNELS_API int q5k_linear(const float *x, int64_t m_rows, int64_t k, const uint8_t *qs,
+                           const uint8_t *sc, const uint8_t *mn, const float *d,
+                           const float *dmin, int64_t n, float *y, int threads);
+/* The same for packed Q8_0 (qs: Q8Group) and Q4_0 (qs: Q4KGroup) weights; k % 32 == 0. */
+KERNELS_API int q8_0_linear(const float *x, int64_t m_rows, int64_t k, const uint8_t *qs,
+                            const float *d, int64_t n, float *y, int threads);
+KERNELS_API int q4_0_linear(const float *x, int64_t m_rows, int64_t k, const uint8_t *qs,
+                            const float *d, int64_t n, float *y, int threads);
 /* Attention of n new query rows over a bf16 KV cache (see attention.c). */
 KERNELS_API int attend_rows(const float *q, const uint16_t *keys, const uint16_t *values,
                             int64_t capacity, int64_t start, int64_t n, int64_t heads,
@@ -173,11 +219,12 @@ KERNELS_API int64_t kernels_layout(char *out, int64_t size);
 
 /* ---------------------------------------------------- shared inside the library, not exported
  * The quantized activations of one call, group-major (xq [K/32][m_rows][32], xs and xsum
- * [K/32][m_rows]): per row and group, int8 inputs, their scale and scale * sum(xq); for Q6_K
- * also the int sums of each 16 inputs (xsum16 [K/32][m_rows][2]). */
+ * [K/32][m_rows]): per row and group, int8 inputs, their scale and scale * sum(xq); for Q6_K,
+ * Q8_0 and Q4_0 also the int sums of each 16 inputs (xsum16 [K/32][m_rows][2]). */
 typedef struct { int8_t *xq; float *xs, *xsum; int32_t *xsum16; } Scratch;
 
-/* Quantize x [m_rows, k] into s (allocated here; with_sums16 for Q6_K); -1 without memory. */
+/* Quantize x [m_rows, k] into s (allocated here; with_sums16 for Q6_K, Q8_0 and Q4_0); -1
+ * without memory. */
 int scratch_make(Scratch *s, const float *x, int64_t m_rows, int64_t k, int with_sums16,
                  int threads);
 void scratch_free(Scratch *s);
@@ -187,5 +234,11 @@ void q4k_run(const Scratch *s, int64_t m_rows, int64_t k, const uint8_t *qs, con
              int64_t ldy, int threads);
 void q6k_run(const Scratch *s, int64_t m_rows, int64_t k, const uint8_t *qs, const uint8_t *qh,
              const int8_t *sc, const float *d, int64_t n, float *y, int64_t ldy, int threads);
+void q5k_run(const Scratch *s, int64_t m_rows, int64_t k, const uint8_t *qs, const uint8_t *sc,
+             const uint8_t *mn, const float *d, const float *dmin, int64_t n, float *y,
+             int64_t ldy, int threads);
+/* Q8_0 (bits 8) or Q4_0 (bits 4). */
+void q32_run(const Scratch *s, int bits, int64_t m_rows, int64_t k, const uint8_t *qs,
+             const float *d, int64_t n, float *y, int64_t ldy, int threads);
 
 #endif

@@ -38,14 +38,20 @@ ALWAYS_INLINE __m256i broadcast4(const int8_t *a) {
     return _mm256_set1_epi32(word);
 }
 
-/* Q4_K: rows m0..m0+rows-1 of block b, 16 outputs each (see kquant_avx512.h). */
-ALWAYS_INLINE void block_rows(const uint8_t *qs, const uint8_t *sc, const uint8_t *mn,
-                              const float *d, const float *dmin, const int8_t *xq,
-                              const float *xs, const float *xsum, float *y, int64_t b,
-                              int64_t m0, int rows, int64_t ldy, int64_t k, int64_t m_rows) {
+#define Q5_TOP(hv, o) ((o) < 4 ? _mm256_slli_epi16(hv, 4 - (o)) : \
+                       (o) == 4 ? (hv) : _mm256_srli_epi16(hv, (o) - 4))
+
+/* Q4_K (five 0) or Q5_K (five 1): rows m0..m0+rows-1 of block b, 16 outputs each (see
+ * kquant_avx512.h). */
+ALWAYS_INLINE void block_rows(const uint8_t *qs, const int five, const uint8_t *sc,
+                              const uint8_t *mn, const float *d, const float *dmin,
+                              const int8_t *xq, const float *xs, const float *xsum, float *y,
+                              int64_t b, int64_t m0, int rows, int64_t ldy, int64_t k,
+                              int64_t m_rows) {
     const int64_t groups = k / GROUP, supers = (groups + 7) / 8;
+    const size_t stride = five ? sizeof(Q5KGroup) : sizeof(Q4KGroup);
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    const Q4KGroup *wq = (const Q4KGroup *)qs + b * groups;
+    const __m256i bit4 = _mm256_set1_epi8(0x10);
     for (int h = 0; h < 2; h++) {
         __m256 out[ROWS_PER_PASS];
         for (int r = 0; r < rows; r++) out[r] = _mm256_setzero_ps();
@@ -57,13 +63,22 @@ ALWAYS_INLINE void block_rows(const uint8_t *qs, const uint8_t *sc, const uint8_
                 vd = _mm256_loadu_ps(d + (b * supers + g / 8) * 16 + h * 8);
                 vdmin = _mm256_loadu_ps(dmin + (b * supers + g / 8) * 16 + h * 8);
             }
+            const uint8_t *group = qs + (size_t)(b * groups + g) * stride;
             __m256i acc[ROWS_PER_PASS];
             for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_si256();
+            for (size_t p = 0; p < stride; p += 64)
+                _mm_prefetch((const char *)group + PREFETCH * stride + p, _MM_HINT_T0);
+            const __m256i hv = five ? _mm256_loadu_si256(
+                (const void *)(((const Q5KGroup *)group)->top + h * 32)) : _mm256_setzero_si256();
             for (int i = 0; i < 4; i++) {
-                _mm_prefetch((const char *)wq[g + PREFETCH].load[i], _MM_HINT_T0);
-                __m256i v = _mm256_loadu_si256((const void *)(wq[g].load[i] + h * 32));
+                __m256i v = _mm256_loadu_si256(
+                    (const void *)(((const Q4KGroup *)group)->load[i] + h * 32));
                 __m256i w0 = _mm256_and_si256(v, low);
                 __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                if (five) {
+                    w0 = _mm256_or_si256(w0, _mm256_and_si256(Q5_TOP(hv, 2 * i), bit4));
+                    w1 = _mm256_or_si256(w1, _mm256_and_si256(Q5_TOP(hv, 2 * i + 1), bit4));
+                }
                 for (int r = 0; r < rows; r++) {
                     const int8_t *a = xq + (g * m_rows + m0 + r) * 32 + 8 * i;
                     acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(
@@ -81,6 +96,60 @@ ALWAYS_INLINE void block_rows(const uint8_t *qs, const uint8_t *sc, const uint8_
                 __m256 s = _mm256_mul_ps(vsc, _mm256_set1_ps(xs[at]));
                 out[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), s, out[r]);
                 out[r] = _mm256_fnmadd_ps(vmn, _mm256_set1_ps(xsum[at]), out[r]);
+            }
+        }
+        for (int r = 0; r < rows; r++)
+            _mm256_storeu_ps(y + (m0 + r) * ldy + b * 16 + h * 8, out[r]);
+    }
+}
+
+/* Q8_0 (bits 8) or Q4_0 (bits 4): see kquant_avx512.h. VPMADDUBSW would saturate on Q8_0's
+ * u8 q + 128 (2 * 255 * 127), so Q8_0 multiplies the signed q as |q| times x with q's sign
+ * (at most 2 * 128 * 127): the same exact sums, with offset 0. */
+ALWAYS_INLINE void q32_block_rows(const uint8_t *qs, const int bits, const float *d,
+                                  const int8_t *xq, const float *xs, const int32_t *xsum16,
+                                  float *y, int64_t b, int64_t m0, int rows, int64_t ldy,
+                                  int64_t k, int64_t m_rows) {
+    const int64_t groups = k / GROUP;
+    const size_t stride = bits == 8 ? sizeof(Q8Group) : sizeof(Q4KGroup);
+    const int32_t offset = bits == 8 ? 0 : 8;
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
+    for (int h = 0; h < 2; h++) {
+        const float *wd = d + b * groups * 16 + h * 8;
+        __m256 out[ROWS_PER_PASS];
+        for (int r = 0; r < rows; r++) out[r] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *group = qs + (size_t)(b * groups + g) * stride;
+            for (size_t p = 0; p < stride; p += 64)
+                _mm_prefetch((const char *)group + PREFETCH * stride + p, _MM_HINT_T0);
+            __m256i acc[ROWS_PER_PASS];
+            for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_si256();
+            for (int o = 0; o < 8; o++) {
+                __m256i w, q = _mm256_setzero_si256();
+                if (bits == 8) {
+                    q = _mm256_xor_si256(
+                        _mm256_loadu_si256((const void *)(group + 64 * o + h * 32)), flip);
+                    w = _mm256_abs_epi8(q);
+                } else {
+                    const __m256i v = _mm256_loadu_si256(
+                        (const void *)(group + 64 * (o / 2) + h * 32));
+                    w = _mm256_and_si256(o % 2 ? _mm256_srli_epi16(v, 4) : v, low);
+                }
+                for (int r = 0; r < rows; r++) {
+                    __m256i a = broadcast4(xq + (g * m_rows + m0 + r) * 32 + 4 * o);
+                    if (bits == 8) a = _mm256_sign_epi8(a, q);
+                    acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(w, a), ones));
+                }
+            }
+            const __m256 vd = _mm256_loadu_ps(wd + g * 16);
+            for (int r = 0; r < rows; r++) {
+                const int64_t at = g * m_rows + m0 + r;
+                const int32_t sum = xsum16[2 * at] + xsum16[2 * at + 1];
+                const __m256i exact = _mm256_sub_epi32(acc[r], _mm256_set1_epi32(offset * sum));
+                out[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact),
+                                         _mm256_mul_ps(vd, _mm256_set1_ps(xs[at])), out[r]);
             }
         }
         for (int r = 0; r < rows; r++)

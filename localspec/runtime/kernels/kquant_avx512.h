@@ -25,17 +25,23 @@ ALWAYS_INLINE float quantize_group(const float *src, int8_t *dst, int32_t sums[2
     return amax;
 }
 
-/* Q4_K: rows m0..m0+rows-1 of block b, 16 outputs each. Always inlined with a constant
- * ``rows``, so that the accumulators live in registers. */
-ALWAYS_INLINE void block_rows(const uint8_t *qs, const uint8_t *sc, const uint8_t *mn,
-                              const float *d, const float *dmin, const int8_t *xq,
-                              const float *xs, const float *xsum, float *y, int64_t b,
-                              int64_t m0, int rows, int64_t ldy, int64_t k, int64_t m_rows) {
+/* Q5_K's fifth bit of operand o (bit o of each top byte) moved to bit 4. */
+#define Q5_TOP(hv, o) ((o) < 4 ? _mm512_slli_epi16(hv, 4 - (o)) : \
+                       (o) == 4 ? (hv) : _mm512_srli_epi16(hv, (o) - 4))
+
+/* Q4_K (five 0) or Q5_K (five 1, qs holding Q5KGroups): rows m0..m0+rows-1 of block b, 16
+ * outputs each. Always inlined with constant ``rows`` and ``five``, so that the accumulators
+ * live in registers and Q4_K's loop has no trace of the fifth bit. */
+ALWAYS_INLINE void block_rows(const uint8_t *qs, const int five, const uint8_t *sc,
+                              const uint8_t *mn, const float *d, const float *dmin,
+                              const int8_t *xq, const float *xs, const float *xsum, float *y,
+                              int64_t b, int64_t m0, int rows, int64_t ldy, int64_t k,
+                              int64_t m_rows) {
     const int64_t groups = k / GROUP, supers = (groups + 7) / 8;
-    const __m512i low = _mm512_set1_epi8(0x0F);
+    const size_t stride = five ? sizeof(Q5KGroup) : sizeof(Q4KGroup);
+    const __m512i low = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
     __m512 out[ROWS_PER_PASS];
     for (int r = 0; r < rows; r++) out[r] = _mm512_setzero_ps();
-    const Q4KGroup *wq = (const Q4KGroup *)qs + b * groups;
     const uint8_t *wsc = sc + b * groups * 16;
     const uint8_t *wmn = mn + b * groups * 16;
     __m512 vd = _mm512_setzero_ps(), vdmin = _mm512_setzero_ps();
@@ -44,14 +50,21 @@ ALWAYS_INLINE void block_rows(const uint8_t *qs, const uint8_t *sc, const uint8_
             vd = _mm512_loadu_ps(d + (b * supers + g / 8) * 16);
             vdmin = _mm512_loadu_ps(dmin + (b * supers + g / 8) * 16);
         }
+        const uint8_t *group = qs + (size_t)(b * groups + g) * stride;
         __m512i acc[ROWS_PER_PASS];
         for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_si512();
-        for (int i = 0; i < 4; i++)
-            _mm_prefetch((const char *)wq[g + PREFETCH].load[i], _MM_HINT_T0);
+        for (size_t p = 0; p < stride; p += 64)
+            _mm_prefetch((const char *)group + PREFETCH * stride + p, _MM_HINT_T0);
+        const __m512i hv = five ? _mm512_loadu_si512((const void *)((const Q5KGroup *)group)->top)
+                                : _mm512_setzero_si512();
         for (int i = 0; i < 4; i++) {
-            __m512i v = _mm512_loadu_si512((const void *)wq[g].load[i]);
+            __m512i v = _mm512_loadu_si512((const void *)((const Q4KGroup *)group)->load[i]);
             __m512i w0 = _mm512_and_si512(v, low);
             __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            if (five) {
+                w0 = _mm512_or_si512(w0, _mm512_and_si512(Q5_TOP(hv, 2 * i), bit4));
+                w1 = _mm512_or_si512(w1, _mm512_and_si512(Q5_TOP(hv, 2 * i + 1), bit4));
+            }
             for (int r = 0; r < rows; r++) {
                 const int8_t *a = xq + (g * m_rows + m0 + r) * 32 + 8 * i;
                 int32_t a0, a1;
@@ -70,6 +83,52 @@ ALWAYS_INLINE void block_rows(const uint8_t *qs, const uint8_t *sc, const uint8_
             __m512 s = _mm512_mul_ps(vsc, _mm512_set1_ps(xs[at]));
             out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), s, out[r]);
             out[r] = _mm512_fnmadd_ps(vmn, _mm512_set1_ps(xsum[at]), out[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) _mm512_storeu_ps(y + (m0 + r) * ldy + b * 16, out[r]);
+}
+
+/* Q8_0 (bits 8: Q8Groups of q + 128) or Q4_0 (bits 4: Q4KGroups of q): per group, the int32
+ * sum of the stored u8 times x minus offset (128 or 8) times sum(x) is exact; it is scaled
+ * once by d * xs (see kquant_portable.h). */
+ALWAYS_INLINE void q32_block_rows(const uint8_t *qs, const int bits, const float *d,
+                                  const int8_t *xq, const float *xs, const int32_t *xsum16,
+                                  float *y, int64_t b, int64_t m0, int rows, int64_t ldy,
+                                  int64_t k, int64_t m_rows) {
+    const int64_t groups = k / GROUP;
+    const size_t stride = bits == 8 ? sizeof(Q8Group) : sizeof(Q4KGroup);
+    const int32_t offset = bits == 8 ? 128 : 8;
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    const float *wd = d + b * groups * 16;
+    __m512 out[ROWS_PER_PASS];
+    for (int r = 0; r < rows; r++) out[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *group = qs + (size_t)(b * groups + g) * stride;
+        for (size_t p = 0; p < stride; p += 64)
+            _mm_prefetch((const char *)group + PREFETCH * stride + p, _MM_HINT_T0);
+        __m512i acc[ROWS_PER_PASS];
+        for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_si512();
+        for (int o = 0; o < 8; o++) {
+            __m512i w;
+            if (bits == 8) {
+                w = _mm512_loadu_si512((const void *)(group + 64 * o));
+            } else {
+                const __m512i v = _mm512_loadu_si512((const void *)(group + 64 * (o / 2)));
+                w = _mm512_and_si512(o % 2 ? _mm512_srli_epi16(v, 4) : v, low);
+            }
+            for (int r = 0; r < rows; r++) {
+                int32_t a;
+                memcpy(&a, xq + (g * m_rows + m0 + r) * 32 + 4 * o, 4);
+                acc[r] = _mm512_dpbusd_epi32(acc[r], w, _mm512_set1_epi32(a));
+            }
+        }
+        const __m512 vd = _mm512_loadu_ps(wd + g * 16);
+        for (int r = 0; r < rows; r++) {
+            const int64_t at = g * m_rows + m0 + r;
+            const int32_t sum = xsum16[2 * at] + xsum16[2 * at + 1];
+            const __m512i exact = _mm512_sub_epi32(acc[r], _mm512_set1_epi32(offset * sum));
+            out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact),
+                                     _mm512_mul_ps(vd, _mm512_set1_ps(xs[at])), out[r]);
         }
     }
     for (int r = 0; r < rows; r++) _mm512_storeu_ps(y + (m0 + r) * ldy + b * 16, out[r]);

@@ -1,8 +1,9 @@
-"""The GGUF Q4_K and Q6_K weight formats on the Python side: matrices read from a file
-(``parse_q4k``, ``parse_q6k``), made from float weights (``quantize_q4k`` for models that do not
-come as Q4_K, ``quantize_q6k`` for tests), and packed into the layout the native kernels read
-(``pack_q4k``, ``pack_q6k``; see ``kernels.h`` for both layouts, whose sizes the loader checks
-against the constants here). No native code runs here.
+"""The GGUF Q4_K, Q5_K and Q6_K weight formats on the Python side: matrices read from a file
+(``parse_q4k``, ``parse_q5k``, ``parse_q6k``), made from float weights (``quantize_q4k`` for
+models that do not come as Q4_K, ``quantize_q5k`` and ``quantize_q6k`` for tests), and packed
+into the layout the native kernels read (``pack_q4k``, ``pack_q5k``, ``pack_q6k``; see
+``kernels.h`` for the layouts, whose sizes the loader checks against the constants here). Q8_0
+and Q4_0 (one scale per 32) are in ``q32_formats``. No native code runs here.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ Q4K_BLOCK_BYTES = 144  # d, dmin (fp16), 12 bytes of 6-bit scales and mins, 128 
 Q6K_PACKED = ("qs", "qh", "sc", "d")
 Q6K_GROUP = 16  # inputs per signed 8-bit scale
 Q6K_BLOCK_BYTES = 210  # 128 bytes of low nibbles, 64 of top 2 bits, 16 int8 scales, d (fp16)
+Q5K_PACKED = ("qs5", "sc", "mn", "d", "dmin")  # qs5: the nibbles and fifth bits together
+Q5K_BLOCK_BYTES = 176  # Q4_K's fields and 32 bytes of fifth bits before the nibbles
 
 
 @dataclass(frozen=True)
@@ -37,11 +40,7 @@ class Q4KWeights:
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [n, k] (exact: every product is representable in float32)."""
-        n, k = self.q.shape
-        scale = self.d.repeat_interleave(SUPER // GROUP, 1)[:, :k // GROUP] * self.sc.float()
-        low = self.dmin.repeat_interleave(SUPER // GROUP, 1)[:, :k // GROUP] * self.mn.float()
-        q = self.q.float().view(n, k // GROUP, GROUP)
-        return (q * scale[..., None] - low[..., None]).view(n, k)
+        return _dequantize_k(self.q, self.sc, self.mn, self.d, self.dmin)
 
     @staticmethod
     def cat(parts: list[Q4KWeights]) -> Q4KWeights:
@@ -50,21 +49,37 @@ class Q4KWeights:
                             for f in ("q", "sc", "mn", "d", "dmin")))
 
 
+def _dequantize_k(q: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor, d: torch.Tensor,
+                  dmin: torch.Tensor) -> torch.Tensor:
+    """Q4_K's and Q5_K's weights [n, k]: (d * sc) * q - dmin * mn per group, as gguf-py."""
+    n, k = q.shape
+    scale = d.repeat_interleave(SUPER // GROUP, 1)[:, :k // GROUP] * sc.float()
+    low = dmin.repeat_interleave(SUPER // GROUP, 1)[:, :k // GROUP] * mn.float()
+    return (q.float().view(n, k // GROUP, GROUP) * scale[..., None] - low[..., None]).view(n, k)
+
+
+def _scales_mins(blocks: np.ndarray) -> tuple[np.ndarray, ...]:
+    """d, dmin (float32 [n, S]) and the eight 6-bit scales and mins ([n, S, 8] each) of Q4_K
+    or Q5_K blocks [n, S, bytes] (ggml's ``get_scale_min_k4``)."""
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    s = blocks[..., 4:16].astype(np.uint8)
+    sc = np.empty((*blocks.shape[:2], 8), np.uint8)
+    mn = np.empty_like(sc)
+    sc[..., :4] = s[..., 0:4] & 63
+    mn[..., :4] = s[..., 4:8] & 63
+    sc[..., 4:] = (s[..., 8:12] & 0xF) | ((s[..., 0:4] >> 6) << 4)
+    mn[..., 4:] = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
+    return d, dmin, sc, mn
+
+
 def parse_q4k(raw: np.ndarray, n: int, k: int) -> Q4KWeights:
     """GGUF Q4_K bytes of an [n, k] matrix (row-major, k % 256 == 0) as ``Q4KWeights``;
     decoding follows ggml's ``dequantize_row_q4_K`` and ``get_scale_min_k4``."""
     if k % SUPER or raw.size != n * (k // SUPER) * Q4K_BLOCK_BYTES:
         raise ValueError(f"{raw.size} bytes are not a Q4_K matrix of {n} x {k}")
     blocks = np.ascontiguousarray(raw).reshape(n, k // SUPER, Q4K_BLOCK_BYTES)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    s = blocks[..., 4:16].astype(np.uint8)
-    sc = np.empty((n, k // SUPER, 8), np.uint8)
-    mn = np.empty_like(sc)
-    sc[..., :4] = s[..., 0:4] & 63
-    mn[..., :4] = s[..., 4:8] & 63
-    sc[..., 4:] = (s[..., 8:12] & 0xF) | ((s[..., 0:4] >> 6) << 4)
-    mn[..., 4:] = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
+    d, dmin, sc, mn = _scales_mins(blocks)
     qs = blocks[..., 16:].reshape(n, k // SUPER, 4, 1, 32)
     q = np.concatenate([qs & 0xF, qs >> 4], axis=3)  # [n, S, chunk, low/high, 32]
     return Q4KWeights(torch.from_numpy(q.reshape(n, k)), torch.from_numpy(sc.reshape(n, -1)),
@@ -79,15 +94,21 @@ def pack_q4k(w: Q4KWeights) -> dict[str, torch.Tensor]:
     if n % BLOCK_ROWS or k % GROUP:
         raise ValueError(f"a Q4_K kernel matrix needs rows % 16 == 0 and width % 32 == 0, "
                          f"got {n} x {k}")
-    b, g = n // BLOCK_ROWS, k // GROUP
-    q = w.q.view(b, BLOCK_ROWS, g, 4, 2, 4).permute(0, 2, 3, 1, 4, 5)  # b g i r h j
-    qs = (q[..., 0, :] | (q[..., 1, :] << 4)).contiguous().view(-1)
-
-    def rows_last(t: torch.Tensor) -> torch.Tensor:
-        return t.view(b, BLOCK_ROWS, -1).transpose(1, 2).contiguous()
-
-    return {"qs": qs, "sc": rows_last(w.sc), "mn": rows_last(w.mn),
+    return {"qs": pack_nibbles(w.q).view(-1), "sc": rows_last(w.sc), "mn": rows_last(w.mn),
             "d": rows_last(w.d.float()), "dmin": rows_last(w.dmin.float())}
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """The low 4 bits of q [n, k] (uint8) as ``Q4KGroup``s: [n/16 * k/32, 256] uint8."""
+    n, k = q.shape
+    b, g = n // BLOCK_ROWS, k // GROUP
+    q = (q & 0xF).view(b, BLOCK_ROWS, g, 4, 2, 4).permute(0, 2, 3, 1, 4, 5)  # b g i r h j
+    return (q[..., 0, :] | (q[..., 1, :] << 4)).contiguous().view(b * g, -1)
+
+
+def rows_last(t: torch.Tensor) -> torch.Tensor:
+    """A per-row field [n, F] as the kernels read it: [n/16, F, 16] (rows in blocks of 16)."""
+    return t.view(t.shape[0] // BLOCK_ROWS, BLOCK_ROWS, -1).transpose(1, 2).contiguous()
 
 
 def quantize_q4k(weight: torch.Tensor) -> Q4KWeights:
@@ -95,13 +116,18 @@ def quantize_q4k(weight: torch.Tensor) -> Q4KWeights:
     quantizer makes them: per group of 32, w ~ scale * q - low with q in 0..15 and low >= 0,
     scales and lows as 6-bit multiples of a per-256 ``d`` and ``dmin`` (fp16, as in the file).
     For models that do not come as Q4_K (a draft) and for tests."""
+    return Q4KWeights(*_quantize_k(weight, 15, "Q4_K"))
+
+
+def _quantize_k(weight: torch.Tensor, top: int, what: str) -> tuple[torch.Tensor, ...]:
+    """q (0..top), sc, mn, d, dmin of a float matrix by ``quantize_q4k``'s rule."""
     n, k = weight.shape
     if k % GROUP:
-        raise ValueError(f"Q4_K needs a width divisible by {GROUP}, got {k}")
+        raise ValueError(f"{what} needs a width divisible by {GROUP}, got {k}")
     groups, per = k // GROUP, SUPER // GROUP
     w = weight.detach().float().view(n, groups, GROUP)
     low = (-w.amin(-1)).clamp(min=0.0)  # [n, G]
-    scale = (w.amax(-1) + low) / 15.0
+    scale = (w.amax(-1) + low) / float(top)
     pad = -groups % per  # a partial last super-block: padded with zero scales
 
     def per_super(t: torch.Tensor) -> torch.Tensor:
@@ -115,9 +141,67 @@ def quantize_q4k(weight: torch.Tensor) -> Q4KWeights:
     mn = torch.where(dmin_g > 0, torch.round(low / dmin_g.clamp(min=1e-30)), 0).clamp(0, 63)
     step = (d_g * sc)[..., None]
     q = torch.where(step > 0, torch.round((w + (dmin_g * mn)[..., None]) / step.clamp(min=1e-30)),
-                    0).clamp(0, 15)
-    return Q4KWeights(q.to(torch.uint8).view(n, k), sc.to(torch.uint8), mn.to(torch.uint8), d,
-                      dmin)
+                    0).clamp(0, top)
+    return q.to(torch.uint8).view(n, k), sc.to(torch.uint8), mn.to(torch.uint8), d, dmin
+
+
+@dataclass(frozen=True)
+class Q5KWeights:
+    """One matrix [n, k] in Q5_K form: Q4_K's fields with q in 0..31 (a fifth bit);
+    w = d * sc * q - dmin * mn."""
+
+    q: torch.Tensor
+    sc: torch.Tensor
+    mn: torch.Tensor
+    d: torch.Tensor
+    dmin: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [n, k], as gguf-py computes it."""
+        return _dequantize_k(self.q, self.sc, self.mn, self.d, self.dmin)
+
+    @staticmethod
+    def cat(parts: list[Q5KWeights]) -> Q5KWeights:
+        return Q5KWeights(*(torch.cat([getattr(p, f) for p in parts])
+                            for f in ("q", "sc", "mn", "d", "dmin")))
+
+
+def parse_q5k(raw: np.ndarray, n: int, k: int) -> Q5KWeights:
+    """GGUF Q5_K bytes of an [n, k] matrix as ``Q5KWeights``; decoding follows ggml's
+    ``dequantize_row_q5_K``: Q4_K's scales and nibbles, and bit i of ``qh`` byte l the fifth
+    bit of element 32 i + l."""
+    if k % SUPER or raw.size != n * (k // SUPER) * Q5K_BLOCK_BYTES:
+        raise ValueError(f"{raw.size} bytes are not a Q5_K matrix of {n} x {k}")
+    blocks = np.ascontiguousarray(raw).reshape(n, k // SUPER, Q5K_BLOCK_BYTES)
+    d, dmin, sc, mn = _scales_mins(blocks)
+    qh = blocks[..., 16:48].reshape(n, k // SUPER, 1, 32)
+    top = (qh >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1  # [n, S, 8, 32]
+    qs = blocks[..., 48:].reshape(n, k // SUPER, 4, 1, 32)
+    low = np.concatenate([qs & 0xF, qs >> 4], axis=3).reshape(n, k // SUPER, 8, 32)
+    return Q5KWeights(torch.from_numpy((low | (top << 4)).reshape(n, k)),
+                      torch.from_numpy(sc.reshape(n, -1)), torch.from_numpy(mn.reshape(n, -1)),
+                      torch.from_numpy(d), torch.from_numpy(dmin))
+
+
+def pack_q5k(w: Q5KWeights) -> dict[str, torch.Tensor]:
+    """The kernel's layout (``Q5KGroup`` in kernels.h): per group, Q4_K's nibbles, then the
+    fifth bit of operand o (inputs 4 o .. 4 o + 3) at bit o of byte 4 r + j."""
+    n, k = w.q.shape
+    if n % BLOCK_ROWS or k % GROUP:
+        raise ValueError(f"a Q5_K kernel matrix needs rows % 16 == 0 and width % 32 == 0, "
+                         f"got {n} x {k}")
+    b, g = n // BLOCK_ROWS, k // GROUP
+    top = (w.q >> 4).view(b, BLOCK_ROWS, g, 8, 4).permute(0, 2, 3, 1, 4)  # b g o r j
+    shifts = torch.arange(8, dtype=torch.uint8).view(1, 1, 8, 1, 1)
+    bits = (top << shifts).sum(2, dtype=torch.uint8).view(b * g, 64)
+    return {"qs5": torch.cat([pack_nibbles(w.q), bits], 1).view(-1), "sc": rows_last(w.sc),
+            "mn": rows_last(w.mn), "d": rows_last(w.d.float()), "dmin": rows_last(w.dmin.float())}
+
+
+def quantize_q5k(weight: torch.Tensor) -> Q5KWeights:
+    """Q5_K weights of a float matrix [n, k] (k % 32 == 0) by ``quantize_q4k``'s rule with
+    q in 0..31. For tests (GGUF files of Q5_K matrices are written from these)."""
+    return Q5KWeights(*_quantize_k(weight, 31, "Q5_K"))
 
 
 @dataclass(frozen=True)
@@ -142,7 +226,6 @@ class Q6KWeights:
         return Q6KWeights(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "sc", "d")))
 
 
-KQuantWeights = Q4KWeights | Q6KWeights  # what a GGUF's k-quant matrix is read as
 
 
 def parse_q6k(raw: np.ndarray, n: int, k: int) -> Q6KWeights:

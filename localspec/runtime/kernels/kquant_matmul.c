@@ -1,4 +1,5 @@
-/* W4A8 matrix products over GGUF Q4_K and Q6_K weights (block layouts in kernels.h).
+/* Matrix products over GGUF Q4_K, Q5_K, Q6_K, Q8_0 and Q4_0 weights (block layouts in
+ * kernels.h).
  *
  * y[m, n] = sum_k x[m, k] * w[n, k], with w exactly as the file stores it. The activations are
  * quantized here to int8 with one scale per group of 32 (as llama.cpp's Q8_0), so a single
@@ -96,10 +97,36 @@ void q4k_run(const Scratch *s, int64_t m_rows, int64_t k, const uint8_t *qs, con
              const uint8_t *mn, const float *d, const float *dmin, int64_t n, float *y,
              int64_t ldy, int threads) {
     (void)threads;
-#define Q4(R) case R: block_rows(qs, sc, mn, d, dmin, s->xq, s->xs, s->xsum, y, b, m0, R, \
+#define Q4(R) case R: block_rows(qs, 0, sc, mn, d, dmin, s->xq, s->xs, s->xsum, y, b, m0, R, \
                                  ldy, k, m_rows); break;
     FOR_BLOCKS(Q4)
 #undef Q4
+}
+
+void q5k_run(const Scratch *s, int64_t m_rows, int64_t k, const uint8_t *qs, const uint8_t *sc,
+             const uint8_t *mn, const float *d, const float *dmin, int64_t n, float *y,
+             int64_t ldy, int threads) {
+    (void)threads;
+#define Q5(R) case R: block_rows(qs, 1, sc, mn, d, dmin, s->xq, s->xs, s->xsum, y, b, m0, R, \
+                                 ldy, k, m_rows); break;
+    FOR_BLOCKS(Q5)
+#undef Q5
+}
+
+void q32_run(const Scratch *s, int bits, int64_t m_rows, int64_t k, const uint8_t *qs,
+             const float *d, int64_t n, float *y, int64_t ldy, int threads) {
+    (void)threads;
+#define Q8(R) case R: q32_block_rows(qs, 8, d, s->xq, s->xs, s->xsum16, y, b, m0, R, ldy, k, \
+                                     m_rows); break;
+#define Q40(R) case R: q32_block_rows(qs, 4, d, s->xq, s->xs, s->xsum16, y, b, m0, R, ldy, k, \
+                                      m_rows); break;
+    if (bits == 8) {
+        FOR_BLOCKS(Q8)
+    } else {
+        FOR_BLOCKS(Q40)
+    }
+#undef Q8
+#undef Q40
 }
 
 void q6k_run(const Scratch *s, int64_t m_rows, int64_t k, const uint8_t *qs, const uint8_t *qh,
@@ -128,6 +155,35 @@ int q6k_linear(const float *x, int64_t m_rows, int64_t k, const uint8_t *qs, con
     if (ok) q6k_run(&s, m_rows, k, qs, qh, sc, d, n, y, n, threads);
     scratch_free(&s);
     return ok ? 0 : -1;
+}
+
+int q5k_linear(const float *x, int64_t m_rows, int64_t k, const uint8_t *qs, const uint8_t *sc,
+               const uint8_t *mn, const float *d, const float *dmin, int64_t n, float *y,
+               int threads) {
+    Scratch s;
+    int ok = scratch_make(&s, x, m_rows, k, 0, threads) == 0;
+    if (ok) q5k_run(&s, m_rows, k, qs, sc, mn, d, dmin, n, y, n, threads);
+    scratch_free(&s);
+    return ok ? 0 : -1;
+}
+
+static int q32_linear(int bits, const float *x, int64_t m_rows, int64_t k, const uint8_t *qs,
+                      const float *d, int64_t n, float *y, int threads) {
+    Scratch s;
+    int ok = scratch_make(&s, x, m_rows, k, 1, threads) == 0;
+    if (ok) q32_run(&s, bits, m_rows, k, qs, d, n, y, n, threads);
+    scratch_free(&s);
+    return ok ? 0 : -1;
+}
+
+int q8_0_linear(const float *x, int64_t m_rows, int64_t k, const uint8_t *qs, const float *d,
+                int64_t n, float *y, int threads) {
+    return q32_linear(8, x, m_rows, k, qs, d, n, y, threads);
+}
+
+int q4_0_linear(const float *x, int64_t m_rows, int64_t k, const uint8_t *qs, const float *d,
+                int64_t n, float *y, int threads) {
+    return q32_linear(4, x, m_rows, k, qs, d, n, y, threads);
 }
 
 int64_t kernels_rows_per_pass(void) { return ROWS_PER_PASS; }

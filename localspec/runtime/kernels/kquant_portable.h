@@ -60,21 +60,32 @@ ALWAYS_INLINE void dot16(int16_t w[16][GROUP], const int8_t *x, int from, int to
     }
 }
 
-/* Q4_K: rows m0..m0+rows-1 of block b, 16 outputs each. Per group and output lane: the exact
- * int sum of q * xq, then out = fma(sum, d * sc * xs, out) and out = fma(-(dmin * mn), xsum,
- * out). */
-ALWAYS_INLINE void block_rows(const uint8_t *qs, const uint8_t *sc, const uint8_t *mn,
-                              const float *d, const float *dmin, const int8_t *xq,
-                              const float *xs, const float *xsum, float *y, int64_t b,
-                              int64_t m0, int rows, int64_t ldy, int64_t k, int64_t m_rows) {
+/* Q5_K's fifth bits (Q5KGroup's top) added to the low 4 of w, at bit 4. */
+ALWAYS_INLINE void add_fifth_bits(const uint8_t top[64], int16_t w[16][GROUP]) {
+    for (int o = 0; o < 8; o++)
+        for (int l = 0; l < 16; l++)
+            for (int j = 0; j < 4; j++)
+                w[l][4 * o + j] = (int16_t)(w[l][4 * o + j] | (((top[4 * l + j] >> o) & 1) << 4));
+}
+
+/* Q4_K (five 0) or Q5_K (five 1, qs holding Q5KGroups): rows m0..m0+rows-1 of block b, 16
+ * outputs each. Per group and output lane: the exact int sum of q * xq, then
+ * out = fma(sum, d * sc * xs, out) and out = fma(-(dmin * mn), xsum, out). */
+ALWAYS_INLINE void block_rows(const uint8_t *qs, const int five, const uint8_t *sc,
+                              const uint8_t *mn, const float *d, const float *dmin,
+                              const int8_t *xq, const float *xs, const float *xsum, float *y,
+                              int64_t b, int64_t m0, int rows, int64_t ldy, int64_t k,
+                              int64_t m_rows) {
     const int64_t groups = k / GROUP, supers = (groups + 7) / 8;
-    const Q4KGroup *wq = (const Q4KGroup *)qs + b * groups;
+    const size_t stride = five ? sizeof(Q5KGroup) : sizeof(Q4KGroup);
     const uint8_t *wsc = sc + b * groups * 16, *wmn = mn + b * groups * 16;
     float out[ROWS_PER_PASS][16] = {{0.0f}};
     int16_t w[16][GROUP];
     for (int64_t g = 0; g < groups; g++) {
         const float *vd = d + (b * supers + g / 8) * 16, *vdmin = dmin + (b * supers + g / 8) * 16;
-        unpack_nibbles(&wq[g], w);
+        const uint8_t *group = qs + (size_t)(b * groups + g) * stride;
+        unpack_nibbles((const Q4KGroup *)group, w);
+        if (five) add_fifth_bits(((const Q5KGroup *)group)->top, w);
         for (int r = 0; r < rows; r++) {
             const int64_t at = g * m_rows + m0 + r;
             int32_t acc[16];
@@ -85,6 +96,44 @@ ALWAYS_INLINE void block_rows(const uint8_t *qs, const uint8_t *sc, const uint8_
                 out[r][l] = fma32((float)acc[l], scale * xs[at], out[r][l]);
                 out[r][l] = fma32(-least, xsum[at], out[r][l]);
             }
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int l = 0; l < 16; l++) y[(m0 + r) * ldy + b * 16 + l] = out[r][l];
+}
+
+/* Q8_0 (bits 8: Q8Groups) or Q4_0 (bits 4: Q4KGroups): rows m0..m0+rows-1 of block b. Per
+ * group and output lane: the exact int sum of (q - offset) * xq (offset 0 for Q8_0's signed q,
+ * 8 for Q4_0), then out = fma(that, d * xs, out). */
+ALWAYS_INLINE void q32_block_rows(const uint8_t *qs, const int bits, const float *d,
+                                  const int8_t *xq, const float *xs, const int32_t *xsum16,
+                                  float *y, int64_t b, int64_t m0, int rows, int64_t ldy,
+                                  int64_t k, int64_t m_rows) {
+    const int64_t groups = k / GROUP;
+    const size_t stride = bits == 8 ? sizeof(Q8Group) : sizeof(Q4KGroup);
+    const int32_t offset = bits == 8 ? 0 : 8;
+    const float *wd = d + b * groups * 16;
+    float out[ROWS_PER_PASS][16] = {{0.0f}};
+    int16_t w[16][GROUP];
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *group = qs + (size_t)(b * groups + g) * stride;
+        if (bits == 8) {
+            const Q8Group *q8 = (const Q8Group *)group;
+            for (int o = 0; o < 8; o++)
+                for (int l = 0; l < 16; l++)
+                    for (int j = 0; j < 4; j++)
+                        w[l][4 * o + j] = (int16_t)(q8->operand[o][4 * l + j] - 128);
+        } else {
+            unpack_nibbles((const Q4KGroup *)group, w);
+        }
+        for (int r = 0; r < rows; r++) {
+            const int64_t at = g * m_rows + m0 + r;
+            const int32_t sum = xsum16[2 * at] + xsum16[2 * at + 1];
+            int32_t acc[16];
+            dot16(w, xq + at * GROUP, 0, GROUP, acc);
+            for (int l = 0; l < 16; l++)
+                out[r][l] = fma32((float)(acc[l] - offset * sum), wd[g * 16 + l] * xs[at],
+                                  out[r][l]);
         }
     }
     for (int r = 0; r < rows; r++)
