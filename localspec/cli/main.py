@@ -92,6 +92,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     )
     from localspec.cli.bench_api import api_runner, check_api_methods, run_alone
 
+    if args.bandwidth:
+        from localspec.cli.bench_bandwidth import run_bandwidth
+
+        print(run_bandwidth(log=_log_line))
+        return 0
     preset = load_preset(args.preset)
     simulated = [f"{SIMULATED}{a.strip()}" for a in (args.simulate_acceptance or "").split(",")
                  if a.strip()]
@@ -244,6 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "that are the target's own greedy tokens, each kept with "
                             "probability A (engine overhead at a realistic acceptance, e.g. "
                             "on random weights); output stays exact")
+    bench.add_argument("--bandwidth", action="store_true",
+                       help="instead: this machine's read bandwidth and each native kernel's "
+                            "share of it (one row through the 1.5B's layers, per GGUF type)")
     bench.add_argument("--api", action="store_true",
                        help="also run each method through the OpenAI-compatible API (served "
                             "here, streamed over loopback HTTP, one client) right after its "
