@@ -22,7 +22,7 @@ from localspec.runtime.kernels.kquant_formats import (
     SUPER,
 )
 
-ABI_VERSION = 1  # kernels.h's KERNELS_ABI_VERSION
+ABI_VERSION = 2  # kernels.h's KERNELS_ABI_VERSION
 MAX_PARTS = 4  # linear layers side by side in one fused projection
 MAX_HEAD_DIM = 256  # attend_rows' limits
 MAX_SHARED = 16  # query heads per key-value head
@@ -43,9 +43,11 @@ class KFused(ctypes.Structure):
 
 
 class KLayer(ctypes.Structure):
-    """One decoder layer: its two norms' weights and four projections."""
+    """One decoder layer: its two norms' weights, Qwen3's per-head query and key norms (NULL
+    where a model has none) and four projections."""
 
-    _fields_ = [("norm1", _pointer), ("norm2", _pointer), ("qkv", KFused), ("o", KFused),
+    _fields_ = [("norm1", _pointer), ("norm2", _pointer), ("q_norm", _pointer),
+                ("k_norm", _pointer), ("qkv", KFused), ("o", KFused),
                 ("gate_up", KFused), ("down", KFused)]
 
 
