@@ -125,7 +125,7 @@ MODELS_ENV = "LOCALSPEC_MODELS"
 DOWNLOAD_FREE_MARGIN = 256 * 2**20  # free disk a download leaves besides its files
 # What the fast native CPU path serves: the architectures its forward runs (runtime.decoder)
 # and the GGUF matrix types w4a8 keeps as stored (models.gguf_kquants).
-NATIVE_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2")
+NATIVE_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
 NATIVE_GGUF_TYPES: tuple[str, ...] = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0")
 
 

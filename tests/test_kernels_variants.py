@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import MAX_POSITIONS, VOCAB, tiny_config
 from kernel_helpers import (
     attention_inputs,
     kernel_cache,
@@ -29,7 +29,7 @@ from kernel_helpers import (
     random_weights,
     same_bits,
 )
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, Qwen3Config
 
 from localspec.runtime.decoder import CpuDecoder
 from localspec.runtime.kernels import (
@@ -134,12 +134,15 @@ def test_attention_equals_the_portable_build(simd: ctypes.CDLL, portable: ctypes
         assert torch.equal(ours, reference(q[:, :n], keys, values, start)), (start, n)
 
 
-def test_decoder_stack_equals_the_portable_build(simd: ctypes.CDLL,
-                                                 portable: ctypes.CDLL) -> None:
-    """The whole native stack (products, attention, norms, RoPE, SwiGLU, cache writes) of a
-    tiny w4a8 model with EAGLE features: the same logits and features, bit for bit, over a
-    prompt and one-token steps."""
-    config = tiny_config()
+@pytest.mark.parametrize("architecture", ["qwen2", "qwen3"])
+def test_decoder_stack_equals_the_portable_build(simd: ctypes.CDLL, portable: ctypes.CDLL,
+                                                 architecture: str) -> None:
+    """The whole native stack (products, attention, norms, RoPE, SwiGLU, cache writes; Qwen3's
+    per-head q/k norms) of a tiny w4a8 model with EAGLE features: the same logits and
+    features, bit for bit, over a prompt and one-token steps."""
+    config = tiny_config() if architecture == "qwen2" else Qwen3Config(
+        vocab_size=VOCAB, num_hidden_layers=2, num_key_value_heads=2,
+        max_position_embeddings=MAX_POSITIONS, head_dim=64)  # q: 4 x 64 over hidden 128
     config.hidden_size, config.intermediate_size, config.num_attention_heads = 128, 128, 4
     torch.manual_seed(6)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()

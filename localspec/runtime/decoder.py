@@ -1,11 +1,12 @@
-"""A CPU forward for Llama-family decoders (Llama, Qwen2) over a preallocated KV cache.
+"""A CPU forward for Llama-family decoders (Llama, Qwen2, Qwen3) over a preallocated KV cache.
 
 Why not the Hugging Face forward: on a 2-core CPU a 0.5B draft step spent about half its time
 in Python, masks and ``DynamicCache`` bookkeeping, and its linear layers are ``nn.Linear`` in
 bfloat16 (3 GB read per token of the 1.5B). Here each layer is seven tensor calls deep: fused
 q/k/v and fused gate/up projections in int8 (``W8A8Linear``) or in a GGUF's own Q4_K and Q6_K
 (``Q4KLinear``, ``Q6KLinear``: native kernels; formats in ``weight_formats``), RoPE from the
-model's own rotary module (so every ``rope_scaling`` transformers knows is honoured), the new
+model's own rotary module (so every ``rope_scaling`` transformers knows is honoured; Qwen3
+first RMS-norms every query and key head, ``q_norm`` / ``k_norm``), the new
 keys and values written in place into a static cache, and attention (the native kernel
 ``RowAttention`` over a bf16 cache, else PyTorch's SDPA with grouped-query heads). Rolling the
 cache back is a length change: stale positions are simply overwritten by the next pass. Where
@@ -80,6 +81,8 @@ class _Layer:
     gate_up: Linear
     down: Linear
     down_rotated: bool  # the down projection's input is turned first (its weight was)
+    q_norm: torch.Tensor | None = None  # [head_dim] float32: Qwen3's per-head norms, applied
+    k_norm: torch.Tensor | None = None  # to every query and key head before RoPE
 
 
 class KVCache:
@@ -137,22 +140,26 @@ class CpuDecoder:
 
         rotation = weights.get("down_rotation")  # see the module docstring
         self.down_rotation = rotation
+        first = model.base_model.layers[0].self_attn
+        head_norms = hasattr(first, "q_norm")  # Qwen3; a store without them: KeyError
 
         def layer(i: int) -> _Layer:
             down = layer_linear(weights, f"layers.{i}.down", kernel_lib)
+            q_norm, k_norm = (weights[f"layers.{i}.q_norm"], weights[f"layers.{i}.k_norm"]
+                              ) if head_norms else (None, None)
             return _Layer(norm1=weights[f"layers.{i}.norm1"],
                           qkv=layer_linear(weights, f"layers.{i}.qkv", kernel_lib),
                           o=layer_linear(weights, f"layers.{i}.o", kernel_lib),
                           norm2=weights[f"layers.{i}.norm2"],
                           gate_up=layer_linear(weights, f"layers.{i}.gate_up", kernel_lib),
                           down=down,
-                          down_rotated=rotation is not None and isinstance(down, W8A8Linear))
+                          down_rotated=rotation is not None and isinstance(down, W8A8Linear),
+                          q_norm=q_norm, k_norm=k_norm)
 
         # oneDNN packs a weight on about one core (0.1 s for a 1.5B gate/up) and lets go of the
         # GIL meanwhile: layers packed side by side (1.5B: 3.7 s, one at a time 3.9-5.2 s).
         with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
             self.layers = list(pool.map(layer, range(config.num_hidden_layers)))
-        first = model.base_model.layers[0].self_attn
         self.head_dim = int(first.head_dim)
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
@@ -255,6 +262,8 @@ class CpuDecoder:
             qkv = layer.qkv(self._rms(x, layer.norm1))
             q = qkv[:, :q_size].view(n, self.heads, self.head_dim).transpose(0, 1)
             k = qkv[:, q_size:q_size + kv_size].view(n, self.kv_heads, self.head_dim)
+            if layer.q_norm is not None and layer.k_norm is not None:  # per head, before RoPE
+                q, k = self._rms(q, layer.q_norm), self._rms(k, layer.k_norm)
             v = qkv[:, q_size + kv_size:].view(n, self.kv_heads, self.head_dim)
             cache.keys[i, :, start:end] = rope(k.transpose(0, 1))
             cache.values[i, :, start:end] = v.transpose(0, 1)

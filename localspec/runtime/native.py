@@ -79,7 +79,9 @@ class NativeStack:
             if widths != [q_size + 2 * kv_heads * head_dim, hidden, 2 * intermediate, hidden]:
                 return None
             slot.qkv, slot.o, slot.gate_up, slot.down = projections
-            for name in ("norm1", "norm2"):
+            for name in ("norm1", "norm2", "q_norm", "k_norm"):  # a NULL pointer: no norm
+                if getattr(layer, name) is None:
+                    continue
                 norm = getattr(layer, name).float().contiguous()
                 norms.append(norm)
                 setattr(slot, name, norm.data_ptr())

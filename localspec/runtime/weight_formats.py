@@ -172,6 +172,9 @@ def export_weights(model: PreTrainedModel, kind: str = "w8a8",
                     weights[f"{prefix}.{key}"] = tensor
         weights[f"layers.{i}.norm1"] = layer.input_layernorm.weight.detach().float()
         weights[f"layers.{i}.norm2"] = layer.post_attention_layernorm.weight.detach().float()
+        if hasattr(attn, "q_norm"):  # Qwen3: an RMSNorm of every query and key head
+            weights[f"layers.{i}.q_norm"] = attn.q_norm.weight.detach().float()
+            weights[f"layers.{i}.k_norm"] = attn.k_norm.weight.detach().float()
         release_weights(layer)
     head = model.get_output_embeddings()
     exact = _exact(head, "lm_head", q4k) if kind == "w4a8" else None

@@ -41,7 +41,8 @@ int64_t kernels_layout(char *out, int64_t size) {
     CONSTANT(KIND_Q8_0);
     STRUCT(KPart); FIELD(KPart, kind); FIELD(KPart, n); FIELD(KPart, t); FIELD(KPart, bias); END();
     STRUCT(KFused); FIELD(KFused, parts); FIELD(KFused, part); END();
-    STRUCT(KLayer); FIELD(KLayer, norm1); FIELD(KLayer, norm2); FIELD(KLayer, qkv);
+    STRUCT(KLayer); FIELD(KLayer, norm1); FIELD(KLayer, norm2); FIELD(KLayer, q_norm);
+    FIELD(KLayer, k_norm); FIELD(KLayer, qkv);
     FIELD(KLayer, o); FIELD(KLayer, gate_up); FIELD(KLayer, down); END();
     STRUCT(KModel); FIELD(KModel, layers); FIELD(KModel, n_layers); FIELD(KModel, hidden);
     FIELD(KModel, heads); FIELD(KModel, kv_heads); FIELD(KModel, head_dim);

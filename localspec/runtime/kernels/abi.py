@@ -30,7 +30,7 @@ from localspec.runtime.kernels.q32_formats import (
     Q8_0_PACKED,
 )
 
-ABI_VERSION = 2  # kernels.h's KERNELS_ABI_VERSION
+ABI_VERSION = 3  # kernels.h's KERNELS_ABI_VERSION
 # KPart kinds (kernels.h): ggml's type numbers for the legacy types, the bits for k-quants
 KIND_Q4_0, KIND_Q4_K, KIND_Q5_K, KIND_Q6_K, KIND_Q8_0 = 2, 4, 5, 6, 8
 MAX_PARTS = 4  # linear layers side by side in one fused projection
@@ -53,9 +53,11 @@ class KFused(ctypes.Structure):
 
 
 class KLayer(ctypes.Structure):
-    """One decoder layer: its two norms' weights and four projections."""
+    """One decoder layer: its two norms' weights, Qwen3's per-head query and key norms (NULL
+    where a model has none) and four projections."""
 
-    _fields_ = [("norm1", _pointer), ("norm2", _pointer), ("qkv", KFused), ("o", KFused),
+    _fields_ = [("norm1", _pointer), ("norm2", _pointer), ("q_norm", _pointer),
+                ("k_norm", _pointer), ("qkv", KFused), ("o", KFused),
                 ("gate_up", KFused), ("down", KFused)]
 
 

@@ -1,5 +1,6 @@
-/* The whole decoder stack of a Llama-family model (Qwen2: q/k/v biases) in one call, for a
- * few new tokens: RMSNorm, the quantized projections (kquant_matmul.c), RoPE, the bf16 KV
+/* The whole decoder stack of a Llama-family model (Qwen2: q/k/v biases; Qwen3: an RMSNorm of
+ * every query and key head before RoPE) in one call, for a few new tokens: RMSNorm, the
+ * quantized projections (kquant_matmul.c), RoPE, the bf16 KV
  * cache write, attend_rows (attention.c), SwiGLU and both residual adds. The same work as the
  * Python loop over layers, without its ~35 tensor calls a layer (about 9 ms of a 1.5B
  * one-token step, 20 ms of a 16-token pass, and a larger share of a 0.5B draft's step). Every
@@ -94,20 +95,33 @@ static void swiglu(const float *gu, int64_t m, int64_t inter, float *a, int thre
 }
 
 /* Queries of every row as attend_rows takes them, RoPE'd; the keys (RoPE'd) and values
- * written to the layer's cache slots start.. as bf16. */
-static void rope_and_cache(const KModel *M, const KStep *S, const float *qkv, uint16_t *kc,
-                           uint16_t *vc, float *qrows) {
+ * written to the layer's cache slots start.. as bf16. Where the layer has q_norm / k_norm
+ * (Qwen3), each query and key head is RMS-normed over its head_dim values first. */
+static void rope_and_cache(const KModel *M, const KLayer *L, const KStep *S, const float *qkv,
+                           uint16_t *kc, uint16_t *vc, float *qrows) {
     const int64_t d = M->head_dim, q_size = M->heads * d, kv_size = M->kv_heads * d;
-    float turned[MAX_HEAD_DIM];  /* d <= MAX_HEAD_DIM: checked by decoder_forward */
+    float turned[MAX_HEAD_DIM], normed[MAX_HEAD_DIM];  /* d <= MAX_HEAD_DIM, d % 16 == 0:
+                                                           checked by decoder_forward */
     for (int64_t r = 0; r < S->n; r++) {
         const float *row = qkv + r * (q_size + 2 * kv_size);
         const float *cos = S->cos + r * d, *sin = S->sin + r * d;
-        for (int64_t hd = 0; hd < M->heads; hd++)
-            rope(row + hd * d, cos, sin, d, qrows + (hd * S->n + r) * d);
+        for (int64_t hd = 0; hd < M->heads; hd++) {
+            const float *q = row + hd * d;
+            if (L->q_norm) {
+                rms_norm(q, L->q_norm, 1, d, M->eps, normed);
+                q = normed;
+            }
+            rope(q, cos, sin, d, qrows + (hd * S->n + r) * d);
+        }
         for (int64_t kv = 0; kv < M->kv_heads; kv++) {
             uint16_t *kslot = kc + (kv * S->capacity + S->start + r) * d;
             uint16_t *vslot = vc + (kv * S->capacity + S->start + r) * d;
-            rope(row + q_size + kv * d, cos, sin, d, turned);
+            const float *k = row + q_size + kv * d;
+            if (L->k_norm) {
+                rms_norm(k, L->k_norm, 1, d, M->eps, normed);
+                k = normed;
+            }
+            rope(k, cos, sin, d, turned);
             for (int64_t c = 0; c < d; c++) {
                 kslot[c] = bf16_round(turned[c]);
                 vslot[c] = bf16_round(row[q_size + kv_size + kv * d + c]);
@@ -145,7 +159,7 @@ int decoder_forward(const KModel *model, const KStep *step, int threads) {
         if ((status = fused_linear(&L->qkv, h, n, hidden, qkv, threads))) break;
         uint16_t *kc = S->keys + i * M->kv_heads * S->capacity * d;
         uint16_t *vc = S->values + i * M->kv_heads * S->capacity * d;
-        rope_and_cache(M, S, qkv, kc, vc, qrows);
+        rope_and_cache(M, L, S, qkv, kc, vc, qrows);
         if ((status = attend_rows(qrows, kc, vc, S->capacity, S->start, n, M->heads,
                                   M->kv_heads, d, M->scale, attn, threads))) break;
         if ((status = fused_linear(&L->o, attn, n, q_size, h, threads))) break;

@@ -31,7 +31,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define KERNELS_ABI_VERSION 2
+#define KERNELS_ABI_VERSION 3
 
 #if defined(KERNELS_AVX512) + defined(KERNELS_AVX2) > 1
 #error "build one variant: KERNELS_AVX512, KERNELS_AVX2 or neither (portable)"
@@ -150,7 +150,12 @@ enum { KIND_Q4_0 = 2, KIND_Q4_K = 4, KIND_Q5_K = 5, KIND_Q6_K = 6, KIND_Q8_0 = 8
 
 typedef struct { int64_t kind, n; const void *t[5]; const float *bias; } KPart;
 typedef struct { int64_t parts; KPart part[MAX_PARTS]; } KFused;  /* parts side by side */
-typedef struct { const float *norm1, *norm2; KFused qkv, o, gate_up, down; } KLayer;
+/* q_norm, k_norm [head_dim]: Qwen3's RMSNorm of every query and key head before RoPE; NULL for
+ * a model without (Llama, Qwen2). */
+typedef struct {
+    const float *norm1, *norm2, *q_norm, *k_norm;
+    KFused qkv, o, gate_up, down;
+} KLayer;
 typedef struct {
     const KLayer *layers;
     int64_t n_layers, hidden, heads, kv_heads, head_dim, intermediate;
@@ -173,8 +178,8 @@ static_assert(sizeof(void *) == 8 && sizeof(float) == 4, "the kernels need a 64-
 static_assert(sizeof(KPart) == 64 && offsetof(KPart, t) == 16 && offsetof(KPart, bias) == 56,
               "KPart: kind, n, five tensors, bias");
 static_assert(sizeof(KFused) == 8 + MAX_PARTS * 64, "KFused: the count, then the parts");
-static_assert(sizeof(KLayer) == 16 + 4 * sizeof(KFused) && offsetof(KLayer, qkv) == 16,
-              "KLayer: the norms, then four projections");
+static_assert(sizeof(KLayer) == 32 + 4 * sizeof(KFused) && offsetof(KLayer, qkv) == 32,
+              "KLayer: the four norms, then four projections");
 static_assert(sizeof(KModel) == 64 && offsetof(KModel, eps) == 56, "KModel: no padding");
 static_assert(sizeof(KStep) == 88 && offsetof(KStep, count) == 80, "KStep: no padding");
 
