@@ -74,10 +74,9 @@ def _current_quantization(value: object) -> object:
 
 
 Quantization = Annotated[QuantizationName, BeforeValidator(_current_quantization)]
-# Served by the CPU forward (localspec.runtime.decoder): "w8a8" int8 weights and per-token
-# int8 activations; "w4a8" a GGUF's Q4_K and Q6_K matrices as stored (others w8a8);
-# "requant-q4k" every layer matrix requantized to Q4_K (lossy against the file: meant for
-# drafts, which only guess).
+# Served by the CPU forward (runtime.decoder): "w8a8" int8 weights, per-token int8 activations;
+# "w4a8" a GGUF's matrices of NATIVE_GGUF_TYPES as stored (others w8a8); "requant-q4k" every
+# layer matrix requantized to Q4_K (lossy against the file: for drafts, which only guess).
 CPU_QUANTIZATIONS: tuple[str, ...] = ("w8a8", "w4a8", "requant-q4k")
 HARDWARE: tuple[str, ...] = get_args(HardwareClass)
 HARDWARE_LABELS = {"cpu": "CPU", "gpu-8gb": "GPU 8 GB", "gpu-12gb": "GPU 12 GB",
@@ -89,7 +88,6 @@ ANSWER_SOURCES: tuple[str, ...] = ("corpus", "target")
 # [speculative_config] model gives, with the built-in target each was trained for.
 BUILTIN_HEADS: dict[str, str] = {"qwen2.5-coder-1.5b-eagle3": "qwen2.5-coder-1.5b-instruct",
                                   "qwen2.5-coder-1.5b-medusa": "qwen2.5-coder-1.5b-instruct"}
-
 
 
 def cache_root() -> Path:
@@ -108,9 +106,7 @@ def data_root() -> Path:
     """Where the user's data lives: ``$LOCALSPEC_DATA``, else the platform's user data folder
     (``~/.local/share/localspec`` on Linux)."""
     env = os.environ.get(DATA_ENV)
-    if env:
-        return Path(env).expanduser()
-    return Path(user_data_dir("localspec", appauthor=False))
+    return Path(env).expanduser() if env else Path(user_data_dir("localspec", appauthor=False))
 
 
 def chats_path() -> Path:
@@ -119,8 +115,7 @@ def chats_path() -> Path:
 
 
 # The model library (models/library.py): the user's models folder, where Hub downloads land
-# (``LOCALSPEC_MODELS`` moves it); the paths added by hand and the user's own presets are kept
-# in the data folder.
+# (``LOCALSPEC_MODELS`` moves it); paths added by hand and user presets: the data folder.
 MODELS_ENV = "LOCALSPEC_MODELS"
 DOWNLOAD_FREE_MARGIN = 256 * 2**20  # free disk a download leaves besides its files
 # What the fast native CPU path serves: the architectures its forward runs (runtime.decoder)
@@ -198,6 +193,13 @@ _STRICT = ConfigDict(extra="forbid", frozen=True, strict=True)
 # ----------------------------------------------------------------------------- the schema
 
 
+def _gguf_on_cpu(spec: TargetConfig | SpeculativeConfig, device: str) -> bool:
+    """A .gguf model, no quantization named, no CUDA device: served natively ("w4a8": each
+    matrix type with a kernel as stored, the others int8), not as bf16 by transformers."""
+    return ("quantization" not in spec.model_fields_set and device != "cuda"
+            and str(spec.model or "").lower().endswith(".gguf"))
+
+
 class TargetConfig(BaseModel):
     """The model that answers."""
 
@@ -206,7 +208,13 @@ class TargetConfig(BaseModel):
     model: NonEmpty  # built-in name | Hugging Face repo id | folder | .gguf path
     dtype: Dtype = "auto"
     device: Device = "auto"
-    quantization: Quantization = "none"
+    quantization: Quantization = "none"  # "w4a8" for a .gguf off CUDA (_gguf_on_cpu)
+
+    @model_validator(mode="after")
+    def _fastest_for_gguf(self) -> TargetConfig:
+        if _gguf_on_cpu(self, self.device):  # frozen: set while validating
+            object.__setattr__(self, "quantization", "w4a8")
+        return self
 
 
 class SpeculativeConfig(BaseModel):
@@ -234,6 +242,8 @@ class SpeculativeConfig(BaseModel):
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError("need prompt_lookup_min <= prompt_lookup_max, got "
                              f"{self.prompt_lookup_min} > {self.prompt_lookup_max}")
+        if needs == "draft_model" and _gguf_on_cpu(self, "auto"):
+            object.__setattr__(self, "quantization", "w4a8")
         return self
 
 

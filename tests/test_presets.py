@@ -112,6 +112,21 @@ def test_minimal_preset_defaults(tmp_path: Path) -> None:
     assert preset.sampling.temperature == 0.0
 
 
+def test_a_gguf_gets_the_native_path_unless_told_otherwise(tmp_path: Path) -> None:
+    """No quantization key on a .gguf target or draft: the native CPU path (w4a8), as the
+    app and `models drafters --make-preset` would choose; a named one, or CUDA, is kept."""
+    text = ('name = "g"\ndescription = "d"\nhardware = "cpu"\n'
+            '[target]\nmodel = "/m/Target-Q5_K_M.GGUF"\n[speculative_config]\n'
+            'method = "draft_model"\nmodel = "/m/draft.gguf"\n')
+    preset = load_preset(str(write(tmp_path, text)))
+    assert preset.target.quantization == "w4a8" and preset.speculative_config.quantization == "w4a8"
+    named = text.replace('GGUF"\n', 'GGUF"\nquantization = "none"\n', 1)
+    assert load_preset(str(write(tmp_path, named))).target.quantization == "none"
+    cuda = text.replace('GGUF"\n', 'GGUF"\ndevice = "cuda"\n', 1)
+    assert load_preset(str(write(tmp_path, cuda))).target.quantization == "none"
+    assert load_preset(str(write(tmp_path, MINIMAL))).target.quantization == "none"
+
+
 def test_integer_accepted_for_float(tmp_path: Path) -> None:
     """temperature = 1 (a TOML integer) is a valid float."""
     preset = load_preset(str(write(tmp_path, MINIMAL + "\n[sampling]\ntemperature = 1\n")))

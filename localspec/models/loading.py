@@ -296,10 +296,10 @@ def load_model(spec: ModelSpec, progress: Progress = no_progress,
     (the tokenizer of ``share_tokenizer`` when its files are the same).
     A cached conversion that fails to load (damage its fingerprint missed) is rebuilt once."""
     start = time.perf_counter()
-    device = pick_device(spec.device)
+    cpu_path = spec.quantization in CPU_QUANTIZATIONS
+    device = "cpu" if cpu_path and spec.device == "auto" else pick_device(spec.device)
     dtype = pick_dtype(spec.dtype, device)
     quantization = _quantization_config(spec.quantization, dtype)
-    cpu_path = spec.quantization in CPU_QUANTIZATIONS
     if cpu_path and device != "cpu":
         raise ModelLoadError(f"quantization '{spec.quantization}' runs on CPUs; {spec.model} is "
                              f"set to load on {device}: use 'none' or a bnb quantization there")
@@ -338,7 +338,7 @@ def load_model(spec: ModelSpec, progress: Progress = no_progress,
     elif cpu_path:
         reason = unsupported_reason(model)
         if reason is not None:
-            raise ModelLoadError(f"quantization '{spec.quantization}' of {spec.model}: the CPU "
+            raise ModelLoadError(f"quantization '{spec.quantization}' of {spec.model}: the "
                                  f"CPU forward does not support {reason}. Use 'none' or "
                                  "'int8-weight-only'")
         progress(f"{kind} weights of {spec.model}", 0.9)
