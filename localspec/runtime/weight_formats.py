@@ -95,11 +95,14 @@ def _fused(kind: str, modules: list[nn.Linear],
 def _exact(module: nn.Linear, name: str, stored: Mapping[str, KQuantWeights]
            ) -> KQuantWeights | None:
     """The module's Q4_K or Q6_K weights if ``stored`` has them and they are exactly its
-    weight (as loaded, in its dtype): never another model's numbers."""
+    weight (as loaded, in its dtype): never another model's numbers. A module without a weight
+    (a skeleton built for the file ``stored`` comes from) takes them as they are."""
     if name not in stored:
         return None
     weights = stored[name]
     weight = module.weight.detach()
+    if weight.numel() == 0:  # a skeleton filled from the file that holds them (gguf_pack)
+        return weights if weights.q.shape == (module.out_features, module.in_features) else None
     if weights.q.shape != weight.shape or not torch.equal(
             weights.dequantize().to(weight.dtype), weight):
         return None

@@ -1,0 +1,241 @@
+"""The CPU forward's weights made straight from a GGUF file: no float copy of the model on disk.
+
+A GGUF model served by the CPU forward (w8a8, w4a8, requant-q4k) needs, besides its pack
+(``packed_store``), only its config and tokenizer. Those come from the file's metadata
+(transformers reads them without touching a tensor) and are kept in a small folder,
+``<cache>/meta/<model>[.<dtype>]/`` with its manifest; the pack is keyed by that folder as by
+any other. The pack is made from a skeleton (the model's modules on the meta device,
+``skeleton``) whose weights are filled from the file one tensor at a time:
+
+- the Q4_K and Q6_K matrices the pack keeps as the file stores them are not dequantized at all:
+  they are handed to ``export_weights`` as stored (``FileMatrices``), their rows put in
+  transformers' order where its GGUF reader reorders them (llama's q and k projections: a
+  permutation of whole rows, and a Q4_K / Q6_K row is a run of blocks of its own);
+- every other tensor (embedding, norms, biases, matrices of other types, which w8a8 quantizes,
+  and the matrices requant-q4k quantizes again) is dequantized with ``gguf.quants.dequantize``,
+  reordered by transformers' own tensor processor and cast to the model's dtype: the numbers a
+  model loaded by transformers from the same file holds, so the pack is bit for bit the one
+  made from a converted model (tests/test_gguf_pack.py checks both built-in families).
+
+What is deliberately not here: the float conversion (``cache.convert_gguf``), which the paths
+that read float weights (quantization "none", int8-weight-only, bitsandbytes) still make.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PreTrainedModel,
+)
+
+from localspec.config import cache_root
+from localspec.errors import ModelLoadError
+from localspec.models.builtin import BUILTIN_MODELS
+from localspec.models.cache import (
+    GGUF_READ_ERRORS,
+    Progress,
+    assemble_builtin,
+    cached_dir_ok,
+    gguf_cache_name,
+    gguf_read_error,
+    stored_as,
+)
+from localspec.models.gguf_kquants import hf_module_name
+from localspec.models.integrity import (
+    MANIFEST_NAME,
+    remove_stale_temps,
+    write_manifest,
+    writer_tag,
+)
+from localspec.runtime.kernels import KQuantWeights, parse_q4k, parse_q6k
+from localspec.runtime.weight_formats import release_weights
+
+META_FOLDER = "meta"  # under cache_root(): config and tokenizer of GGUF models, no weights
+# The GGUF types each kind keeps as stored (export_weights): w4a8 Q4_K and Q6_K matrices and a
+# Q6_K head; requant-q4k the Q4_K matrices (it quantizes the others to Q4_K, from floats).
+_KEPT = {"w4a8": ("Q4_K", "Q6_K"), "requant-q4k": ("Q4_K",)}
+_KEPT_HEAD = {"w4a8": ("Q6_K",)}
+
+
+# ----------------------------------------------------------------------------- config, tokenizer
+
+
+def gguf_file(model: str, progress: Progress) -> Path | None:
+    """The GGUF file of a model name (a built-in one assembled, checked by its fingerprint),
+    else None."""
+    if model in BUILTIN_MODELS:
+        return assemble_builtin(BUILTIN_MODELS[model], progress)
+    path = Path(model).expanduser()
+    if path.suffix != ".gguf":
+        return None
+    if not path.is_file():
+        raise ModelLoadError(f"GGUF file not found: {path}")
+    return path
+
+
+def meta_dir(model: str, gguf: Path, dtype: str) -> Path:
+    """Where the config and tokenizer of ``model`` (its file ``gguf``) are kept; one per dtype,
+    as the packs keyed by it differ by dtype."""
+    name = model if model in BUILTIN_MODELS else gguf_cache_name(gguf)
+    return stored_as(cache_root() / META_FOLDER / name, dtype)
+
+
+def write_meta(gguf: Path, out_dir: Path) -> Path:
+    """The config, generation config and tokenizer of ``gguf`` in ``out_dir`` (with a manifest),
+    read from the file's metadata: no tensor is read."""
+    folder, name = str(gguf.parent), gguf.name
+    try:
+        config = AutoConfig.from_pretrained(folder, gguf_file=name)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    except GGUF_READ_ERRORS as exc:
+        raise gguf_read_error(gguf, exc) from exc
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(out_dir.parent)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, suffix=".part",
+                                prefix=f"{out_dir.name}.{writer_tag()}."))
+    try:
+        config.save_pretrained(tmp)
+        GenerationConfig.from_model_config(config).save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        write_manifest(tmp / MANIFEST_NAME, sorted(p.name for p in tmp.iterdir()))
+        shutil.rmtree(out_dir, ignore_errors=True)
+        tmp.replace(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def gguf_meta(model: str, progress: Progress, dtype: str) -> Path | None:
+    """The config-and-tokenizer folder of a GGUF model, written on first use and whenever it
+    fails its check; None for a model that is not a GGUF file."""
+    gguf = gguf_file(model, progress)
+    if gguf is None:
+        return None
+    out_dir = meta_dir(model, gguf, dtype)
+    if not cached_dir_ok(out_dir, progress):
+        write_meta(gguf, out_dir)
+    return out_dir
+
+
+def skeleton(folder: Path, dtype: torch.dtype) -> PreTrainedModel | None:
+    """The model's module tree with empty weights (its config, rotary tables and generation
+    settings are real), for a forward whose weights come from elsewhere; None when the model
+    holds state the CPU forward would miss (a buffer other than the rotary tables)."""
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
+    backbone = model.base_model
+    rotary = getattr(backbone, "rotary_emb", None)
+    if rotary is None:
+        return None
+    backbone.rotary_emb = type(rotary)(config=config)  # its tables computed on the CPU
+    if any(buffer.is_meta for buffer in model.buffers()):
+        return None
+    release_weights(model)
+    if (folder / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(folder)
+    return model.eval()
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+class FileMatrices(Mapping[str, KQuantWeights]):
+    """Q4_K and Q6_K matrices of a GGUF file by Hugging Face module name, as stored (rows in
+    transformers' order), each parsed when asked for: the file is memory-mapped."""
+
+    def __init__(self) -> None:
+        self._raw: dict[str, tuple[np.ndarray, int, int, bool, np.ndarray | None]] = {}
+
+    def add(self, name: str, data: np.ndarray, n: int, k: int, six: bool,
+            order: np.ndarray | None) -> None:
+        """``data``: the file's bytes [n, row bytes]; ``order``: the file's row for each row of
+        the model's weight (None: the same order)."""
+        self._raw[name] = (data, n, k, six, order)
+
+    def __getitem__(self, name: str) -> KQuantWeights:
+        data, n, k, six, order = self._raw[name]
+        rows = np.asarray(data).reshape(n, -1)
+        return (parse_q6k if six else parse_q4k)(rows if order is None else rows[order], n, k)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._raw)
+
+    def __len__(self) -> int:
+        return len(self._raw)
+
+
+def _row_order(processor: object, gguf_name: str, n: int) -> np.ndarray | None:
+    """Which file row each row of the model's weight is, as transformers' tensor processor
+    reorders them (None: unchanged); ValueError if it does more than reorder rows."""
+    rows = np.arange(n, dtype=np.int64).reshape(n, 1)
+    out = processor.process(weights=rows, name=gguf_name).weights  # type: ignore[attr-defined]
+    order = np.asarray(out).reshape(-1)
+    if order.shape != (n,) or not np.array_equal(np.sort(order), rows[:, 0]):
+        raise ValueError(f"{gguf_name}: transformers changes it beyond an order of its rows")
+    return None if np.array_equal(order, rows[:, 0]) else order
+
+
+def _set(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    module_name, _, attribute = name.rpartition(".")
+    setattr(model.get_submodule(module_name), attribute,
+            nn.Parameter(tensor, requires_grad=False))
+
+
+def fill_from_gguf(model: PreTrainedModel, gguf: Path, kind: str) -> FileMatrices:
+    """Fill ``model`` (a ``skeleton``) from ``gguf`` for a ``kind`` pack: every weight the pack
+    computes from floats, as transformers would load it in the model's dtype; returns the
+    matrices ``export_weights`` takes as stored, whose modules stay empty. ValueError when
+    the file lacks a weight of the model."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+    )
+
+    reader = GGUFReader(str(gguf))
+    architecture = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(
+        config=model.config.to_dict())
+    hf_names = get_gguf_hf_weights_map(model, processor)
+    dtype = model.dtype
+    stored = FileMatrices()
+    for tensor in reader.tensors:
+        type_name = tensor.tensor_type.name
+        module = hf_module_name(tensor.name)
+        k, n = (int(x) for x in tensor.shape[:2]) if len(tensor.shape) >= 2 else (0, 0)
+        kept = _KEPT_HEAD if module == "lm_head" else _KEPT
+        if module is not None and type_name in kept.get(kind, ()) and n % 16 == 0:
+            stored.add(module, tensor.data, n, k, type_name == "Q6_K",
+                       _row_order(processor, tensor.name, n))
+            continue
+        result = processor.process(weights=dequantize(tensor.data, tensor.tensor_type),
+                                   name=tensor.name)
+        if result.name not in hf_names:
+            continue
+        array = np.array(result.weights, dtype=np.float32, copy=True)
+        _set(model, hf_names[result.name], torch.from_numpy(array).to(dtype))
+        del array, result
+    if model.config.tie_word_embeddings:
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    missing = [name for name, param in model.named_parameters()
+               if param.numel() == 0 and name.removesuffix(".weight") not in stored]
+    if missing:
+        raise ValueError(f"{gguf.name} has no tensor for {', '.join(missing[:3])}")
+    return stored
