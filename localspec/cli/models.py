@@ -36,15 +36,9 @@ def _native(entry: LibraryEntry) -> str:
     return "native" if entry.facts.native else f"not native: {entry.facts.native_reason}"
 
 
-def cache_cell(sizes: dict[str, int]) -> str:
-    """What the cache holds for a model, by kind: "1.38 GiB packs + 12.0 MiB converted"."""
-    parts = [f"{_size(sizes[kind])} {label}" for kind, label in
-             (("gguf", "GGUF"), ("packs", "packs"), ("conversions", "converted")) if sizes[kind]]
-    return " + ".join(parts) or "-"
-
-
 def format_entries(entries: list[LibraryEntry]) -> str:
     """The library as a table, one model a row, what decides its path last."""
+    from localspec.models.cache_use import cache_cell
     from localspec.models.library import entry_cache_use
 
     rows = [("NAME", "SOURCE", "ARCH", "SIZE", "QUANTIZATION", "CONTEXT", "CACHE", "CPU PATH")]

@@ -53,6 +53,16 @@ class CacheUse:
         return out | {"total": sum(out.values())}
 
 
+def cache_cell(sizes: dict[str, int]) -> str:
+    """``CacheUse.sizes()`` in words: "1.38 GiB packs + 12.0 MiB converted", "-" for none."""
+    def size(n: int) -> str:
+        return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+    parts = [f"{size(sizes[kind])} {label}" for kind, label in
+             (("gguf", "GGUF"), ("packs", "packs"), ("conversions", "converted")) if sizes[kind]]
+    return " + ".join(parts) or "-"
+
+
 def _folders(base: Path) -> list[Path]:
     """``base`` as stored in each dtype: ``base`` (float32), ``base.bfloat16``, ..."""
     return [base if dtype == "float32" else base.with_name(f"{base.name}.{dtype}")
