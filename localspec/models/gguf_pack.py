@@ -23,10 +23,12 @@ that read float weights (quantization "none", int8-weight-only, bitsandbytes) st
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -66,6 +68,8 @@ META_FOLDER = "meta"  # under cache_root(): config and tokenizer of GGUF models,
 # Q6_K head; requant-q4k the Q4_K matrices (it quantizes the others to Q4_K, from floats).
 _KEPT = {"w4a8": ("Q4_K", "Q6_K"), "requant-q4k": ("Q4_K",)}
 _KEPT_HEAD = {"w4a8": ("Q6_K",)}
+_VOCABULARY_TENSORS = ("token_embd.weight", "output.weight")  # dequantized _ROWS at a time
+_ROWS = 16384
 
 
 # ----------------------------------------------------------------------------- config, tokenizer
@@ -156,20 +160,22 @@ def skeleton(folder: Path, dtype: torch.dtype) -> PreTrainedModel | None:
 
 class FileMatrices(Mapping[str, KQuantWeights]):
     """Q4_K and Q6_K matrices of a GGUF file by Hugging Face module name, as stored (rows in
-    transformers' order), each parsed when asked for: the file is memory-mapped."""
+    transformers' order), each read from the file when asked for (plain reads: pages of a map
+    would count as this process's memory while it is open, 1.1 GB for the 1.5B)."""
 
-    def __init__(self) -> None:
-        self._raw: dict[str, tuple[np.ndarray, int, int, bool, np.ndarray | None]] = {}
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._raw: dict[str, tuple[int, int, int, int, bool, np.ndarray | None]] = {}
 
-    def add(self, name: str, data: np.ndarray, n: int, k: int, six: bool,
+    def add(self, name: str, offset: int, size: int, n: int, k: int, six: bool,
             order: np.ndarray | None) -> None:
-        """``data``: the file's bytes [n, row bytes]; ``order``: the file's row for each row of
-        the model's weight (None: the same order)."""
-        self._raw[name] = (data, n, k, six, order)
+        """The matrix of ``size`` bytes at ``offset`` of the file, [n, k]; ``order``: the
+        file's row for each row of the model's weight (None: the same order)."""
+        self._raw[name] = (offset, size, n, k, six, order)
 
     def __getitem__(self, name: str) -> KQuantWeights:
-        data, n, k, six, order = self._raw[name]
-        rows = np.asarray(data).reshape(n, -1)
+        offset, size, n, k, six, order = self._raw[name]
+        rows = _read(self.path, offset, size).reshape(n, -1)
         return (parse_q6k if six else parse_q4k)(rows if order is None else rows[order], n, k)
 
     def __iter__(self) -> Iterator[str]:
@@ -177,6 +183,15 @@ class FileMatrices(Mapping[str, KQuantWeights]):
 
     def __len__(self) -> int:
         return len(self._raw)
+
+
+def _read(path: Path, offset: int, size: int) -> np.ndarray:
+    """``size`` bytes of the file at ``offset``, read into memory of this process's own."""
+    data = np.empty(size, dtype=np.uint8)
+    with path.open("rb") as f:
+        if os.preadv(f.fileno(), [data], offset) != size:
+            raise ValueError(f"{path}: truncated")
+    return data
 
 
 def _row_order(processor: object, gguf_name: str, n: int) -> np.ndarray | None:
@@ -196,13 +211,38 @@ def _set(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
             nn.Parameter(tensor, requires_grad=False))
 
 
+def _dequantized(path: Path, tensor: object, processor: object, dtype: torch.dtype
+                 ) -> tuple[str, torch.Tensor]:
+    """A tensor as transformers loads it (dequantized in float32, its processor applied, cast
+    to ``dtype``) with its processed name. A vocabulary-sized one goes ``_ROWS`` rows at a time,
+    which its processor leaves in place: the float32 copy of the 1.5B's embedding (0.9 GB) is
+    never whole."""
+    from gguf.quants import dequantize
+
+    t: Any = tensor
+    raw = _read(path, int(t.data_offset), int(t.n_bytes)).view(t.data.dtype).reshape(t.data.shape)
+    step = _ROWS if t.name in _VOCABULARY_TENSORS and raw.ndim == 2 else max(len(raw), 1)
+    out, name = None, t.name
+    for start in range(0, max(len(raw), 1), step):
+        result = processor.process(  # type: ignore[attr-defined]
+            weights=dequantize(raw[start:start + step], t.tensor_type), name=t.name)
+        name = result.name
+        part = torch.from_numpy(np.array(result.weights, dtype=np.float32)).to(dtype)
+        if step >= len(raw):
+            return name, part
+        if out is None:
+            out = torch.empty((len(raw), *part.shape[1:]), dtype=dtype)
+        out[start:start + len(part)] = part
+    assert out is not None
+    return name, out
+
+
 def fill_from_gguf(model: PreTrainedModel, gguf: Path, kind: str) -> FileMatrices:
     """Fill ``model`` (a ``skeleton``) from ``gguf`` for a ``kind`` pack: every weight the pack
     computes from floats, as transformers would load it in the model's dtype; returns the
     matrices ``export_weights`` takes as stored, whose modules stay empty. ValueError when
     the file lacks a weight of the model."""
     from gguf import GGUFReader
-    from gguf.quants import dequantize
     from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,
         TensorProcessor,
@@ -214,24 +254,20 @@ def fill_from_gguf(model: PreTrainedModel, gguf: Path, kind: str) -> FileMatrice
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(
         config=model.config.to_dict())
     hf_names = get_gguf_hf_weights_map(model, processor)
-    dtype = model.dtype
-    stored = FileMatrices()
+    stored = FileMatrices(gguf)
     for tensor in reader.tensors:
         type_name = tensor.tensor_type.name
         module = hf_module_name(tensor.name)
         k, n = (int(x) for x in tensor.shape[:2]) if len(tensor.shape) >= 2 else (0, 0)
         kept = _KEPT_HEAD if module == "lm_head" else _KEPT
         if module is not None and type_name in kept.get(kind, ()) and n % 16 == 0:
-            stored.add(module, tensor.data, n, k, type_name == "Q6_K",
-                       _row_order(processor, tensor.name, n))
+            stored.add(module, int(tensor.data_offset), int(tensor.n_bytes), n, k,
+                       type_name == "Q6_K", _row_order(processor, tensor.name, n))
             continue
-        result = processor.process(weights=dequantize(tensor.data, tensor.tensor_type),
-                                   name=tensor.name)
-        if result.name not in hf_names:
-            continue
-        array = np.array(result.weights, dtype=np.float32, copy=True)
-        _set(model, hf_names[result.name], torch.from_numpy(array).to(dtype))
-        del array, result
+        name, weight = _dequantized(gguf, tensor, processor, model.dtype)
+        if name in hf_names:
+            _set(model, hf_names[name], weight)
+        del weight
     if model.config.tie_word_embeddings:
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
     missing = [name for name, param in model.named_parameters()
