@@ -83,7 +83,8 @@ def _fused(kind: str, modules: list[nn.Linear],
     elif kind == "q6k":
         tensors = pack_q6k(Q6KWeights.cat(exact or []))  # type: ignore[arg-type]
     else:
-        weight = torch.cat([m.weight.detach() for m in modules])
+        weight = modules[0].weight.detach() if len(modules) == 1 else torch.cat(
+            [m.weight.detach() for m in modules])
         tensors = dict(zip(("q", "scale"), quantize_per_channel(weight), strict=True)
                        ) if kind == "w8a8" else {"weight": weight}
     if any(m.bias is not None for m in modules):
