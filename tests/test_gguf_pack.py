@@ -22,6 +22,7 @@ from library_files import write_gguf
 from transformers import AutoModelForCausalLM
 
 from localspec.config import ModelSpec
+from localspec.errors import ModelLoadError
 from localspec.models import gguf_pack
 from localspec.models.builtin import BUILTIN_MODELS
 from localspec.models.cache import assemble_builtin, convert_gguf
@@ -115,3 +116,21 @@ def test_real_pack_from_gguf_is_the_pack_from_the_converted_model(
     converted = load_model(ModelSpec(name, dtype="bfloat16", quantization="none")).model
     old = export_weights(converted, kind, None if kind == "w8a8" else read_kquant_matrices(gguf))
     assert_same(new, old)
+
+
+@pytest.mark.parametrize("cut", ["first-1000", "half", "all-but-1", "text"])
+def test_a_damaged_gguf_on_the_cpu_path_is_a_clear_error(llama_q4k: Path, cut: str,
+                                                          tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """Truncated or not GGUF at all: one ModelLoadError naming the file, no traceback of the
+    readers, nothing half-written left as a pack."""
+    monkeypatch.setenv("LOCALSPEC_CACHE", str(tmp_path / "cache"))
+    data = llama_q4k.read_bytes()
+    blob = {"first-1000": data[:1000], "half": data[:len(data) // 2],
+            "all-but-1": data[:-1], "text": b"not a gguf " * 20}[cut]
+    path = tmp_path / "broken.gguf"
+    path.write_bytes(blob)
+    with pytest.raises(ModelLoadError, match=r"broken\.gguf"):
+        load_model(ModelSpec(str(path), dtype="float32", quantization="w8a8"))
+    assert not list((tmp_path / "cache").glob("w8a8/*"))

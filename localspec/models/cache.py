@@ -1,13 +1,17 @@
 """The on-disk model cache: built-in GGUF files assembled from their packages, GGUF files
-converted once into safetensors folders, and a manifest that proves each is still intact.
+converted into safetensors folders for the paths that read float weights, and a manifest that
+proves each is still intact.
 
-GGUF checkpoints are dequantized by transformers on first load, which is slow (~80 s for a
-1.5B model on 2 CPU cores), so the result is cached once as a plain safetensors folder and
-every later start loads that folder. A GGUF-loaded model refuses ``save_pretrained`` ("not
-serializable"), so we write its config, tokenizer and state dict ourselves.
+The CPU forward packs a GGUF model straight from its file (``gguf_pack``) and never reads a
+conversion. The other paths (quantization "none", int8-weight-only, bitsandbytes) load float
+weights: transformers dequantizes a GGUF on load, which is slow (~80 s for a 1.5B model on 2
+CPU cores), so the result is cached once, when such a path first asks, as a plain safetensors
+folder. A GGUF-loaded model refuses ``save_pretrained`` ("not serializable"), so we write its
+config, tokenizer and state dict ourselves.
 
 Layout under ``cache_root()`` (``LOCALSPEC_CACHE`` moves it):
   gguf/<file>.gguf (+ .manifest.json)    assembled built-in checkpoints
+  meta/<name or stem-key>[.<dtype>]/     config and tokenizer of a GGUF model (``gguf_pack``)
   models/<built-in name>/                converted built-in models (manifest inside)
   converted/<stem>-<key>/                converted user .gguf files (manifest inside)
   w8a8/, w4a8/, requant-q4k/<folder>-<key>/  the CPU forward's packed weights (``packed_store``)
@@ -16,11 +20,10 @@ Layout under ``cache_root()`` (``LOCALSPEC_CACHE`` moves it):
 
 Every load checks the artefact's manifest (``integrity``); a mismatch, or a missing or
 unreadable manifest, rebuilds the artefact from its source, saying so. What a load reads whole
-is checked whole, by its CRC32: a converted folder's config and tokenizer files at every load
-(a few MB), its weights before a load reads them (``weights_intact``: the 1.5B's 3.5 GB in
-~1.3 s here; a start from packed weights never reads them), a built-in GGUF before each
-conversion and before a w4a8 or requant-q4k pack reads its Q4_K and Q6_K matrices. The packed
-weights check each tensor as they read it (``packed_store``).
+is checked whole, by its CRC32: a converted or meta folder's config and tokenizer files at
+every load (a few MB), a conversion's weights before a load reads them (``weights_intact``: the
+1.5B's 3.5 GB in ~1.3 s here), a built-in GGUF before each conversion and before a pack is made
+from it. The packed weights check each tensor as they read it (``packed_store``).
 """
 
 from __future__ import annotations

@@ -10,9 +10,8 @@ A GGUF model served by the CPU forward is packed straight from its file (``gguf_
 for every other path a GGUF checkpoint is converted once into a safetensors folder by
 ``localspec.models.cache``, which also checks that what is on disk is what was written. This
 module resolves a name to a folder and loads it in the requested dtype, device and
-quantization. A cached folder (a, d)
-that still fails to load with a damaged-file error is rebuilt once; a user's own folder (b, c)
-is never touched: its error names the damaged file.
+quantization. A cached folder (a, d) that still fails to load with a damaged-file error is
+rebuilt once; a user's own folder (b, c) is never touched: its error names the damaged file.
 
 Security defaults: never ``trust_remote_code``; safetensors only unless the caller opts in to
 pickle checkpoints.
