@@ -40,7 +40,7 @@ from transformers import (
     PreTrainedModel,
 )
 
-from localspec.config import cache_root
+from localspec.config import GGUF_META_FOLDER, cache_root
 from localspec.errors import ModelLoadError
 from localspec.models.builtin import BUILTIN_MODELS
 from localspec.models.cache import (
@@ -63,7 +63,7 @@ from localspec.models.integrity import (
 from localspec.runtime.kernels import KQuantWeights, parse_q4k, parse_q6k
 from localspec.runtime.weight_formats import release_weights
 
-META_FOLDER = "meta"  # under cache_root(): config and tokenizer of GGUF models, no weights
+META_FOLDER = GGUF_META_FOLDER  # under cache_root(): config and tokenizer, no weights
 # The GGUF types each kind keeps as stored (export_weights): w4a8 Q4_K and Q6_K matrices and a
 # Q6_K head; requant-q4k the Q4_K matrices (it quantizes the others to Q4_K, from floats).
 _KEPT = {"w4a8": ("Q4_K", "Q6_K"), "requant-q4k": ("Q4_K",)}
