@@ -96,6 +96,10 @@ def cache_root() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "localspec"
 
 
+# Under cache_root(): a GGUF model's config and tokenizer, no weights (models/gguf_pack.py).
+GGUF_META_FOLDER = "meta"
+
+
 # The user's own data (saved conversations, added models, presets): not the cache, which a
 # user may delete to free space. ``LOCALSPEC_DATA`` moves it; else the platform's data folder.
 DATA_ENV = "LOCALSPEC_DATA"

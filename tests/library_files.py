@@ -12,6 +12,8 @@ import gguf
 import numpy as np
 from conftest import TOKENIZER_TEXTS, train_tokenizer
 
+# where each block of a k-quant holds its fp16 scales (d, dmin): random bytes there may be NaN
+_KQUANT_SCALES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 LAYER_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
@@ -79,6 +81,9 @@ def write_gguf(path: Path, arch: str = "qwen2", layers: int = 1, hidden: int = 3
         block, size = gguf.GGML_QUANT_SIZES[qtype]
         raw = rng.integers(0, 255, (shape[0], shape[1] // block * size), dtype=np.uint8)
         raw[:, :2] = 0  # a small fp16 scale where the type has one first: finite numbers
+        blocks = raw.reshape(shape[0], -1, size)
+        for at in _KQUANT_SCALES.get(kind, ()):  # every block's fp16 scales finite and small
+            blocks[..., at:at + 2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
         writer.add_tensor(name, raw, raw_dtype=qtype)  # the shape from the bytes per row
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -153,17 +153,20 @@ def test_builtin_table_matches_the_shipped_gguf(name: str, tmp_path: Path) -> No
     assert counts.linear == sum(n for t, n in tensors.items() if t.endswith(LINEAR_TENSORS))
 
 
-def test_converted_config_on_disk_wins_over_the_table(tmp_path: Path,
+@pytest.mark.parametrize("folder", ["models/smollm2-135m-instruct",
+                                    "meta/smollm2-135m-instruct.bfloat16"])
+def test_converted_config_on_disk_wins_over_the_table(folder: str, tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """A built-in's architecture comes from the shipped table until a converted config.json is
-    in the cache, then from that file (here one with another vocabulary, written by
-    transformers): the estimate follows the checkpoint actually run."""
+    """A built-in's architecture comes from the shipped table until a config.json of it is in
+    the cache (a conversion's, or the one the CPU forward reads from the GGUF), then from that
+    file (here one with another vocabulary, written by transformers): the estimate follows the
+    checkpoint actually run."""
     monkeypatch.setenv("LOCALSPEC_CACHE", str(tmp_path))
     name = "smollm2-135m-instruct"
     assert architecture(name) == Architecture.from_config(SHIPPED[name])
     config = _from_table(name)
     config.vocab_size = 1000
-    config.save_pretrained(tmp_path / "models" / name)
+    config.save_pretrained(tmp_path / folder)
     on_disk = architecture(name)
     assert on_disk == replace(Architecture.from_config(SHIPPED[name]), vocab_size=1000)
 

@@ -80,3 +80,18 @@ def test_the_page_has_the_models_tab(tiny_presets: dict[str, str]) -> None:
     demo = build(app)
     ids = {c.elem_id for c in demo.blocks.values()}
     assert {"ls-models", "ls-models-add", "ls-models-find", "ls-models-make"} <= ids
+
+
+def test_the_table_shows_what_the_cache_holds(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """As `models list` does: a model served once holds packs in the cache."""
+    from localspec.config import ModelSpec
+    from localspec.models.loading import load_model
+
+    monkeypatch.setenv("LOCALSPEC_CACHE", str(tmp_path / "cache"))
+    path = write_gguf(tmp_path / "served.gguf")
+    models_view.add(str(path), "")
+    assert "<td>-</td>" in models_view.refresh()[0]
+    load_model(ModelSpec(str(path), dtype="float32", quantization="w8a8"))
+    table, _ = models_view.refresh()
+    assert "packs" in table and "<th>cache</th>" in table

@@ -224,11 +224,11 @@ def test_real_pack_damaged_in_the_middle_answers_correctly(
     " the the the the the or to the we to be the" with exit 0. A copy of the cache (hardlinks,
     but a file of its own for the damaged pack) must answer as before the damage."""
     spec = ModelSpec("smollm2-135m-instruct", dtype="bfloat16", quantization="w8a8")
-    real_folder = load_model(spec).folder  # assembled, converted and packed in the real cache
+    real_folder = load_model(spec).folder  # assembled and packed in the real cache
     real_pack = packed_store.store_dir(real_folder)
     copy = tmp_path / "cache"
     monkeypatch.setenv("LOCALSPEC_CACHE", str(copy))
-    folder = cache_root() / "models" / real_folder.name
+    folder = cache_root() / real_folder.relative_to(real_folder.parents[1])
     shutil.copytree(real_folder, folder, copy_function=os.link)
     pack_dir = packed_store.store_dir(folder)
     shutil.copytree(real_pack, pack_dir, copy_function=os.link)

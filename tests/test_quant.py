@@ -127,3 +127,19 @@ def test_runner_with_vocab_rows_masks_other_tokens(target_model) -> None:
     others = torch.ones(full.shape[-1], dtype=torch.bool)
     others[rows] = False
     assert torch.isinf(cut[:, others]).all()
+
+
+def test_quantize_per_channel_in_row_chunks_is_bit_for_bit_the_whole(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows go QUANTIZE_ROWS at a time (a head's float32 copies are never whole): each row's
+    int8 values and scale are those of the whole matrix quantized at once."""
+    from localspec.runtime import quant
+
+    weight = torch.randn(37, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    w = weight.float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
+    whole = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    monkeypatch.setattr(quant, "QUANTIZE_ROWS", 5)
+    q, s = quant.quantize_per_channel(weight)
+    assert q.dtype == torch.int8 and s.dtype == torch.float32
+    assert torch.equal(q, whole) and torch.equal(s, scale)

@@ -1,5 +1,5 @@
-"""``localspec models [list | add PATH_OR_REPO | remove NAME | drafters TARGET]``: the model
-library on the command line (``localspec.models.library``, ``hub``, ``drafter_finder``).
+"""``localspec models [list | add PATH_OR_REPO | remove NAME | free NAME | drafters TARGET]``:
+the model library on the command line (``localspec.models.library``, ``hub``, ``drafter_finder``).
 
 Thin: each action calls the library and prints a table (or one JSON object with ``--json``).
 A download shows huggingface_hub's byte progress bar (tqdm, on stderr); Ctrl-C keeps what
@@ -38,15 +38,19 @@ def _native(entry: LibraryEntry) -> str:
 
 def format_entries(entries: list[LibraryEntry]) -> str:
     """The library as a table, one model a row, what decides its path last."""
-    rows = [("NAME", "SOURCE", "ARCH", "SIZE", "QUANTIZATION", "CONTEXT", "CPU PATH")]
+    from localspec.models.cache_use import cache_cell
+    from localspec.models.library import entry_cache_use
+
+    rows = [("NAME", "SOURCE", "ARCH", "SIZE", "QUANTIZATION", "CONTEXT", "CACHE", "CPU PATH")]
     for e in entries:
         f = e.facts
         rows.append((e.name, e.source, (f.architecture or "?") if f else "?", _size(e.size),
                      (f.quantization or "?") if f else "?",
-                     str(f.context_length or "?") if f else "?", _native(e)))
-    widths = [max(len(row[i]) for row in rows) for i in range(6)]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row[:6], widths, strict=True))
-                     + "  " + row[6] for row in rows)
+                     str(f.context_length or "?") if f else "?",
+                     cache_cell(entry_cache_use(e).sizes()), _native(e)))
+    widths = [max(len(row[i]) for row in rows) for i in range(7)]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row[:7], widths, strict=True))
+                     + "  " + row[7] for row in rows)
 
 
 def _where() -> str:
@@ -63,11 +67,15 @@ def _list(args: argparse.Namespace) -> int:
 
     entries = list_library()
     if args.json:
-        print(json.dumps({"models_folder": str(models_root()),
-                          "models": [e.to_json() for e in entries]}, ensure_ascii=False))
+        from localspec.models.library import entry_cache_use
+
+        models = [e.to_json() | {"cache_bytes": entry_cache_use(e).sizes()} for e in entries]
+        print(json.dumps({"models_folder": str(models_root()), "models": models},
+                         ensure_ascii=False))
         return 0
     print(format_entries(entries))
-    print(f"\n{_where()}")
+    print(f"\n{_where()}\nCACHE: what the cache made from a model (packs for the CPU forward, "
+          "conversions); `localspec models free NAME` deletes it")
     return 0
 
 
@@ -123,6 +131,18 @@ def _remove(args: argparse.Namespace) -> int:
     return 0
 
 
+def _free(args: argparse.Namespace) -> int:
+    from localspec.models.library import free_entry
+
+    removal = free_entry(args.name)
+    if args.json:
+        print(json.dumps({"name": removal.entry.name, "freed_bytes": removal.freed_bytes,
+                          "deleted": [str(p) for p in removal.deleted]}, ensure_ascii=False))
+        return 0
+    print(removal.message)
+    return 0
+
+
 def _drafters(args: argparse.Namespace) -> int:
     from localspec.models.drafter_finder import find_drafters, make_preset
     from localspec.presets import user_presets_root
@@ -164,4 +184,6 @@ def run_models(args: argparse.Namespace, log: Log) -> int:
         return _add(args, log)
     if action == "remove":
         return _remove(args)
+    if action == "free":
+        return _free(args)
     return _drafters(args)

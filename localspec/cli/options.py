@@ -185,7 +185,8 @@ def add_chats(sub: argparse._SubParsersAction, handler: Handler) -> None:
 def add_models(sub: argparse._SubParsersAction, handler: Handler) -> None:
     """``models``' actions and flags (``cli/models`` runs them)."""
     models = sub.add_parser("models", help="the model library: list, add (a path or a Hub "
-                                           "repo), remove, and the drafters that fit a target")
+                                           "repo), remove, free its cache, and the drafters "
+                                           "that fit a target")
     models.set_defaults(func=handler, json=False)  # no ACTION: list
     actions = models.add_subparsers(dest="models_action", metavar="ACTION")
     listing = actions.add_parser("list", help="every model here: built-in, models folder, "
@@ -204,6 +205,10 @@ def add_models(sub: argparse._SubParsersAction, handler: Handler) -> None:
     remove.add_argument("name", metavar="NAME")
     remove.add_argument("--yes", action="store_true",
                         help="really delete files (what it frees is said first without it)")
+    free = actions.add_parser("free", help="delete what the cache made from a model (packs, "
+                                           "conversions); its own files stay")
+    free.add_argument("name", metavar="NAME")
+    free.add_argument("--json", action="store_true", help="print one JSON object")
     drafters = actions.add_parser("drafters", help="the drafters that can serve a target here, "
                                                    "with their memory; --make-preset saves one")
     drafters.add_argument("target", metavar="TARGET", help="a model of the library (its name)")

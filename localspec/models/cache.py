@@ -1,13 +1,17 @@
 """The on-disk model cache: built-in GGUF files assembled from their packages, GGUF files
-converted once into safetensors folders, and a manifest that proves each is still intact.
+converted into safetensors folders for the paths that read float weights, and a manifest that
+proves each is still intact.
 
-GGUF checkpoints are dequantized by transformers on first load, which is slow (~80 s for a
-1.5B model on 2 CPU cores), so the result is cached once as a plain safetensors folder and
-every later start loads that folder. A GGUF-loaded model refuses ``save_pretrained`` ("not
-serializable"), so we write its config, tokenizer and state dict ourselves.
+The CPU forward packs a GGUF model straight from its file (``gguf_pack``) and never reads a
+conversion. The other paths (quantization "none", int8-weight-only, bitsandbytes) load float
+weights: transformers dequantizes a GGUF on load, which is slow (~80 s for a 1.5B model on 2
+CPU cores), so the result is cached once, when such a path first asks, as a plain safetensors
+folder. A GGUF-loaded model refuses ``save_pretrained`` ("not serializable"), so we write its
+config, tokenizer and state dict ourselves.
 
 Layout under ``cache_root()`` (``LOCALSPEC_CACHE`` moves it):
   gguf/<file>.gguf (+ .manifest.json)    assembled built-in checkpoints
+  meta/<name or stem-key>[.<dtype>]/     config and tokenizer of a GGUF model (``gguf_pack``)
   models/<built-in name>/                converted built-in models (manifest inside)
   converted/<stem>-<key>/                converted user .gguf files (manifest inside)
   w8a8/, w4a8/, requant-q4k/<folder>-<key>/  the CPU forward's packed weights (``packed_store``)
@@ -16,11 +20,10 @@ Layout under ``cache_root()`` (``LOCALSPEC_CACHE`` moves it):
 
 Every load checks the artefact's manifest (``integrity``); a mismatch, or a missing or
 unreadable manifest, rebuilds the artefact from its source, saying so. What a load reads whole
-is checked whole, by its CRC32: a converted folder's config and tokenizer files at every load
-(a few MB), its weights before a load reads them (``weights_intact``: the 1.5B's 3.5 GB in
-~1.3 s here; a start from packed weights never reads them), a built-in GGUF before each
-conversion and before a w4a8 or requant-q4k pack reads its Q4_K and Q6_K matrices. The packed
-weights check each tensor as they read it (``packed_store``).
+is checked whole, by its CRC32: a converted or meta folder's config and tokenizer files at
+every load (a few MB), a conversion's weights before a load reads them (``weights_intact``: the
+1.5B's 3.5 GB in ~1.3 s here), a built-in GGUF before each conversion and before a pack is made
+from it. The packed weights check each tensor as they read it (``packed_store``).
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ logger = logging.getLogger(__name__)
 Progress = Callable[[str, float], None]  # (message, fraction done in [0, 1])
 _CHUNK = 16 * 1024 * 1024
 # What a truncated or garbled GGUF makes transformers' reader raise (found by fuzzing 5.24).
-_GGUF_READ_ERRORS = (OSError, ValueError, KeyError, IndexError, EOFError, OverflowError,
+GGUF_READ_ERRORS = (OSError, ValueError, KeyError, IndexError, EOFError, OverflowError,
                      RuntimeError, struct.error)
 
 
@@ -175,15 +178,19 @@ def _read_gguf(gguf_path: Path, dtype: str) -> tuple[object, PreTrainedModel]:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
                                                      dtype=getattr(torch, dtype))
-    except _GGUF_READ_ERRORS as exc:
-        size = gguf_path.stat().st_size if gguf_path.is_file() else 0
-        raise ModelLoadError(
-            f"{gguf_path} ({size:,} bytes) is not a valid, complete GGUF model file "
-            f"(the reader says: {str(exc)[:200]}). It may be truncated (an interrupted "
-            "download or copy) or not a GGUF file at all. Fix: download or copy it again, or "
-            "point the preset at another model."
-        ) from exc
+    except GGUF_READ_ERRORS as exc:
+        raise gguf_read_error(gguf_path, exc) from exc
     return tokenizer, model
+
+
+def gguf_read_error(gguf_path: Path, exc: Exception) -> ModelLoadError:
+    """The message for a GGUF file the reader fails on: it names the file and its size."""
+    size = gguf_path.stat().st_size if gguf_path.is_file() else 0
+    return ModelLoadError(
+        f"{gguf_path} ({size:,} bytes) is not a valid, complete GGUF model file "
+        f"(the reader says: {str(exc)[:200]}). It may be truncated (an interrupted "
+        "download or copy) or not a GGUF file at all. Fix: download or copy it again, or "
+        "point the preset at another model.")
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress = no_progress,
@@ -231,7 +238,9 @@ def _is_read_at_every_load(name: str) -> bool:
     return not _is_weights(name)
 
 
-def _cached_dir_ok(out_dir: Path, progress: Progress) -> bool:
+def cached_dir_ok(out_dir: Path, progress: Progress) -> bool:
+    """Whether a cached folder passes its manifest (its non-weight files checked whole); when
+    not, says why (the caller writes it again)."""
     if not out_dir.exists():
         return False
     problem = verify_manifest(out_dir / MANIFEST_NAME, full=_is_read_at_every_load)
@@ -251,10 +260,16 @@ def weights_intact(folder: Path, progress: Progress = no_progress) -> bool:
     return False
 
 
-def _gguf_cache_dir(gguf_path: Path) -> Path:
+def gguf_cache_name(gguf_path: Path) -> str:
+    """The name of what the cache derives from a user's .gguf file: its stem and a key of its
+    path, size and modification time."""
     stat = gguf_path.stat()
     key = hashlib.sha256(f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
-    return cache_root() / "converted" / f"{gguf_path.stem}-{key.hexdigest()[:12]}"
+    return f"{gguf_path.stem}-{key.hexdigest()[:12]}"
+
+
+def _gguf_cache_dir(gguf_path: Path) -> Path:
+    return cache_root() / "converted" / gguf_cache_name(gguf_path)
 
 
 def stored_as(folder: Path, dtype: str) -> Path:
@@ -269,7 +284,7 @@ def builtin_model_dir(model: BuiltinModel, progress: Progress = no_progress,
     """The converted folder of a built-in model in ``dtype``, assembled and converted on first
     use and whenever it fails its integrity check (or ``rebuild``)."""
     out_dir = stored_as(cache_root() / "models" / model.name, dtype)
-    if not rebuild and _cached_dir_ok(out_dir, progress):
+    if not rebuild and cached_dir_ok(out_dir, progress):
         return out_dir
     # the whole GGUF is about to be read anyway: check all of it, not just the fingerprint
     return convert_gguf(assemble_builtin(model, progress, full=True), out_dir, progress, dtype)
@@ -280,6 +295,6 @@ def converted_gguf_dir(gguf_path: Path, progress: Progress = no_progress,
     """The converted folder of a user's .gguf file in ``dtype`` (keyed by its path, size and
     mtime)."""
     out_dir = stored_as(_gguf_cache_dir(gguf_path), dtype)
-    if not rebuild and _cached_dir_ok(out_dir, progress):
+    if not rebuild and cached_dir_ok(out_dir, progress):
         return out_dir
     return convert_gguf(gguf_path, out_dir, progress, dtype)

@@ -41,7 +41,7 @@ _LAYER_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
 PARSERS = {"Q4_K": parse_q4k, "Q5_K": parse_q5k, "Q6_K": parse_q6k, "Q8_0": parse_q8_0,
            "Q4_0": parse_q4_0}
 # Types that mean a float matrix, not a quantized one the kernels could take.
-_FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
+FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
 # What a damaged or foreign file makes the gguf reader raise.
 _READ_ERRORS = (OSError, ValueError, KeyError, IndexError, EOFError, OverflowError, TypeError)
 
@@ -93,7 +93,7 @@ def read_kquant_matrices(path: Path) -> KQuantMatrices:
             if name is not None and kind in NATIVE_GGUF_TYPES:
                 k, n = (int(x) for x in tensor.shape[:2])
                 raw[name] = (np.asarray(tensor.data), n, k, kind)
-            elif name not in (None, "lm_head") and kind not in _FLOAT_TYPES:
+            elif name not in (None, "lm_head") and kind not in FLOAT_TYPES:
                 unserved.add(kind)
     except _READ_ERRORS as exc:
         logger.warning("could not read the quantized matrices of %s (%s): int8 instead", path,

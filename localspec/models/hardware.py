@@ -27,6 +27,7 @@ from localspec.config import (
     BUILTIN_HEADS,
     DEFAULT_CONTEXT,
     DTYPES,
+    GGUF_META_FOLDER,
     HARDWARE,
     Preset,
     cache_root,
@@ -177,9 +178,10 @@ def _config_on_disk(model: str) -> Path | None:
     path = Path(model).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
         return path / "config.json"
-    if model in BUILTIN_MODELS:  # converted in any dtype: models/<name>[.<dtype>]/
+    if model in BUILTIN_MODELS:  # converted or read from the GGUF, in any dtype
         folders = [model, *(f"{model}.{dtype}" for dtype in DTYPES)]
-        found = [cache_root() / "models" / f / "config.json" for f in folders]
+        found = [cache_root() / base / f / "config.json" for base in ("models", GGUF_META_FOLDER)
+                 for f in folders]
         return next((c for c in found if c.is_file()), None)
     if model.count("/") == 1 and not path.exists():
         try:

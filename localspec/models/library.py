@@ -14,11 +14,13 @@ Four sources, listed in this order:
   ``hf:org/name/file.gguf``.
 
 An entry says what a preset's ``model`` key takes for it (a built-in name, a repo id or a path)
-and what ``models.describe`` reads from its files. An entry whose files cannot be read is
-listed with the reason, never hidden. Adding checks the model first (``describe.check_model``)
+and what ``models.describe`` reads from its files, and what the cache holds for it
+(``cache_use``: packs, conversions). An entry whose files cannot be read is listed with the
+reason, never hidden. Adding checks the model first (``describe.check_model``)
 and records nothing if it would not start. Removing forgets an added path (its files stay),
 deletes a models-folder entry or a Hugging Face cache repo only when told ``yes`` (and says what
-that frees), and never touches a built-in model.
+that frees), and never touches a built-in model. Freeing deletes only what the cache
+derived from a model (``free_entry``), never its own files.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from localspec.errors import InputFileError, LocalSpecError, ModelLoadError
 from localspec.files import parse_json, read_user_text
 from localspec.models.builtin import BUILTIN_MODELS
 from localspec.models.cache import builtin_gguf_path
+from localspec.models.cache_use import CacheUse, cache_use, free_cache
 from localspec.models.describe import ModelFacts, check_model, describe
 
 SOURCES = ("built-in", "models folder", "added", "hf cache")
@@ -334,6 +337,27 @@ def remove_entry(name: str, yes: bool, hf_cache: Path | None = None) -> Removal:
         _prune_empty(entry.path.parent, models_root())
         return Removal(entry, freed, f"deleted {entry.path}, freed {_gib(freed)}", [entry.path])
     return _delete_cached_repo(entry, hf_cache)
+
+
+def entry_cache_use(entry: LibraryEntry) -> CacheUse:
+    """What the cache holds for ``entry`` (its packs, conversions, an assembled GGUF)."""
+    return cache_use(entry.model, None if entry.source == "built-in" else entry.path)
+
+
+def free_entry(name: str, hf_cache: Path | None = None) -> Removal:
+    """Delete what the cache holds for the model ``name``: its packs and conversions, and a
+    built-in's assembled GGUF (made again from its packages at its next start). The model's
+    own files stay; its next start packs it again."""
+    entry = find_entry(name, list_library(hf_cache))
+    use = entry_cache_use(entry)
+    freed = free_cache(use)
+    if not use.paths:
+        return Removal(entry, 0, f"the cache holds nothing for {entry.name}: nothing freed")
+    return Removal(entry, freed, f"freed {_gib(freed)} of the cache for {entry.name} "
+                                 f"({len(use.packs)} packs, {len(use.conversions)} converted "
+                                 f"folders{', its assembled GGUF' if use.gguf else ''}); its "
+                                 "own files stay, and its next start packs it again",
+                   list(use.paths))
 
 
 def _repo_of(entry: LibraryEntry) -> str:

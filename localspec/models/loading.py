@@ -6,11 +6,12 @@ A model is named by
   (c) a local folder in ``save_pretrained`` layout, or
   (d) a ``.gguf`` file.
 
-GGUF checkpoints are converted once into a safetensors folder by ``localspec.models.cache``,
-which also checks that what is on disk is what was written. This module resolves a name to a
-folder and loads it in the requested dtype, device and quantization. A cached folder (a, d)
-that still fails to load with a damaged-file error is rebuilt once; a user's own folder (b, c)
-is never touched: its error names the damaged file.
+A GGUF model served by the CPU forward is packed straight from its file (``gguf_pack``);
+for every other path a GGUF checkpoint is converted once into a safetensors folder by
+``localspec.models.cache``, which also checks that what is on disk is what was written. This
+module resolves a name to a folder and loads it in the requested dtype, device and
+quantization. A cached folder (a, d) that still fails to load with a damaged-file error is
+rebuilt once; a user's own folder (b, c) is never touched: its error names the damaged file.
 
 Security defaults: never ``trust_remote_code``; safetensors only unless the caller opts in to
 pickle checkpoints.
@@ -26,18 +27,13 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    GenerationConfig,
-    PreTrainedModel,
-)
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from localspec.config import CPU_QUANTIZATIONS, DEVICES, DTYPES, QUANTIZATIONS, ModelSpec
 from localspec.errors import ModelLoadError
 from localspec.models.builtin import BUILTIN_MODELS
 from localspec.models.cache import (
+    GGUF_READ_ERRORS,
     MANIFEST_NAME,
     Progress,
     builtin_model_dir,
@@ -47,11 +43,11 @@ from localspec.models.cache import (
     weights_intact,
 )
 from localspec.models.gguf_kquants import read_kquant_matrices, unserved_message
+from localspec.models.gguf_pack import fill_from_gguf, gguf_meta, skeleton
 from localspec.models.packed_store import cpu_decoder, cpu_format, kquant_source, stored_decoder
 from localspec.runtime.decoder import CpuDecoder, unsupported_reason
 from localspec.runtime.quant import quantize_int8_weight_only
 from localspec.runtime.runner import ModelRunner
-from localspec.runtime.weight_formats import release_weights
 
 logger = logging.getLogger(__name__)
 
@@ -251,33 +247,13 @@ def _load_folder(spec: ModelSpec, folder: Path, device: str, dtype: torch.dtype,
     return tokenizer, model
 
 
-def _skeleton(folder: Path, dtype: torch.dtype) -> PreTrainedModel | None:
-    """The model's module tree with empty weights (its config, rotary tables and generation
-    settings are real), for a forward whose weights come from elsewhere; None when the model
-    holds state the CPU forward would miss (a buffer other than the rotary tables)."""
-    config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
-    backbone = model.base_model
-    rotary = getattr(backbone, "rotary_emb", None)
-    if rotary is None:
-        return None
-    backbone.rotary_emb = type(rotary)(config=config)  # its tables computed on the CPU
-    if any(buffer.is_meta for buffer in model.buffers()):
-        return None
-    release_weights(model)
-    if (folder / "generation_config.json").is_file():
-        model.generation_config = GenerationConfig.from_pretrained(folder)
-    return model.eval()
-
-
 def _from_packed_store(spec: ModelSpec, folder: Path, dtype: torch.dtype, share: LoadedModel | None,
                      kind: str, kernel_lib: object | None
                      ) -> tuple[object, PreTrainedModel, CpuDecoder] | None:
     """Tokenizer, emptied model and decoder when ``folder``'s int8 weights are stored: the
     float weights are then never read (a second start of the 1.5B reads 1.5 GB, not 4.5)."""
     try:
-        model = _skeleton(folder, dtype)
+        model = skeleton(folder, dtype)
         if model is None or unsupported_reason(model) is not None:
             return None
         decoder = stored_decoder(model, folder, kind, kernel_lib)
@@ -288,6 +264,43 @@ def _from_packed_store(spec: ModelSpec, folder: Path, dtype: torch.dtype, share:
         logger.info("no quick %s start for %s: %s", kind, spec.model, exc)
         return None
     return tokenizer, model, decoder
+
+
+def _from_gguf(spec: ModelSpec, dtype: torch.dtype, share: LoadedModel | None, kind: str,
+               kernel_lib: object | None, progress: Progress
+               ) -> tuple[Path, object, PreTrainedModel, CpuDecoder] | None:
+    """Folder, tokenizer, emptied model and decoder of a GGUF model served by the CPU forward,
+    from its pack, else packed straight from the file (``gguf_pack``: no float conversion);
+    None when the model is no GGUF file or not one a skeleton holds."""
+    folder = gguf_meta(spec.model, progress, STORAGE_DTYPES[dtype])
+    if folder is None:
+        return None
+    quick = _from_packed_store(spec, folder, dtype, share, kind, kernel_lib)
+    if quick:
+        return folder, *quick
+    model = skeleton(folder, dtype)
+    if model is None:
+        return None
+    _refuse_unsupported(spec, model)
+    progress(f"{kind} weights of {spec.model} from its GGUF file (done once)", 0.5)
+    source = kquant_source(spec, progress) or Path(spec.model)  # a built-in checked whole
+    try:
+        stored = fill_from_gguf(model, source, kind)
+    except (ValueError, KeyError, *GGUF_READ_ERRORS) as exc:
+        raise ModelLoadError(f"could not read the weights of {spec.model} from {source}: "
+                             f"{exc}") from exc
+    if stored.unserved:  # logged by the reader
+        progress(unserved_message(source, stored.unserved), 0.5)
+    decoder = cpu_decoder(model, folder, kind, stored, kernel_lib)
+    return folder, _load_tokenizer(folder, share), model, decoder
+
+
+def _refuse_unsupported(spec: ModelSpec, model: PreTrainedModel) -> None:
+    reason = unsupported_reason(model)
+    if reason is not None:
+        raise ModelLoadError(f"quantization '{spec.quantization}' of {spec.model}: the "
+                             f"CPU forward does not support {reason}. Use 'none' or "
+                             "'int8-weight-only'")
 
 
 def load_model(spec: ModelSpec, progress: Progress = no_progress,
@@ -304,9 +317,15 @@ def load_model(spec: ModelSpec, progress: Progress = no_progress,
         raise ModelLoadError(f"quantization '{spec.quantization}' runs on CPUs; {spec.model} is "
                              f"set to load on {device}: use 'none' or a bnb quantization there")
     stored = STORAGE_DTYPES[dtype]
-    folder = resolve_model(spec, progress, dtype=stored)
     progress(f"loading {spec.model}", 0.0)
     kind, kernel_lib = cpu_format(spec, progress) if cpu_path else ("", None)
+    served = cpu_path and _from_gguf(spec, dtype, share_tokenizer, kind, kernel_lib, progress)
+    if served:
+        folder, tokenizer, model, decoder = served
+        progress(f"loaded {spec.model}", 1.0)
+        return LoadedModel(spec.model, model, tokenizer, folder, time.perf_counter() - start,
+                           decoder)
+    folder = resolve_model(spec, progress, dtype=stored)
     quick = cpu_path and _from_packed_store(spec, folder, dtype, share_tokenizer, kind,
                                             kernel_lib)
     if quick:
@@ -336,11 +355,7 @@ def load_model(spec: ModelSpec, progress: Progress = no_progress,
     if spec.quantization == "int8-weight-only":
         quantize_int8_weight_only(model, skip=("lm_head",))
     elif cpu_path:
-        reason = unsupported_reason(model)
-        if reason is not None:
-            raise ModelLoadError(f"quantization '{spec.quantization}' of {spec.model}: the "
-                                 f"CPU forward does not support {reason}. Use 'none' or "
-                                 "'int8-weight-only'")
+        _refuse_unsupported(spec, model)
         progress(f"{kind} weights of {spec.model}", 0.9)
         source = kquant_source(spec, progress) if kind != "w8a8" else None
         q4k = read_kquant_matrices(source) if source is not None else None

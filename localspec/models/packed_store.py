@@ -4,7 +4,8 @@ Quantizing the 1.5B target from bfloat16 takes about half a minute on 2 cores an
 of float temporaries through memory; reading its int8 tensors back takes a second. So the first
 ``w8a8`` (or ``w4a8``) load of a model saves what the CPU forward holds (int8 rows and
 scales, packed Q4_K and Q6_K blocks, norms, the embedding) in ``<cache>/<kind>/<folder>-<key>/``,
-keyed by the source folder's path and the size and modification time of its weight files,
+keyed by the source folder's path and the size and modification time of its weight files (for
+a GGUF model, its config-and-tokenizer folder: ``gguf_pack`` makes the pack from the file),
 and every later start reads that instead; the
 transformers model's own weights are then never touched. Tensors are read one at a time and
 packed for oneDNN as they come (plain reads, no memory map), so memory holds the packed copy,
@@ -258,10 +259,10 @@ def gguf_source(spec: ModelSpec) -> Path | None:
 
 
 def kquant_source(spec: ModelSpec, progress: Progress) -> Path | None:
-    """The GGUF a w4a8 pack is about to read whole for its Q4_K and Q6_K matrices: a built-in
-    one checked whole first, by its CRC32 (~0.3 s for the 1.5B's 1.1 GB), and assembled again
-    if damaged; a user's file as it is (theirs, and each matrix is compared with the loaded
-    model's weights before it is used, ``weight_formats``)."""
+    """The GGUF a pack is about to read whole: a built-in one checked whole first, by its CRC32
+    (~0.3 s for the 1.5B's 1.1 GB), and assembled again if damaged; a user's file as it is
+    (theirs: the pack is made from it, ``gguf_pack``, or its matrices are compared with a
+    converted model's weights before they are used, ``weight_formats``)."""
     if spec.model in BUILTIN_MODELS:
         return assemble_builtin(BUILTIN_MODELS[spec.model], progress, full=True)
     return gguf_source(spec)

@@ -53,11 +53,21 @@ ROW_PIECE = 256  # longer feeds go in pieces of this many rows (see ``row_pieces
 ROW_STEP = 32  # ... the last one padded to a multiple of this many
 
 
+QUANTIZE_ROWS = 8192  # rows quantized at a time: a head's float32 copies are never whole
+
+
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 weights [out, in] with one float32 scale per output row."""
-    w = weight.detach().float()
-    scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
-    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+    """Symmetric int8 weights [out, in] with one float32 scale per output row. Each row is
+    computed on its own, so going QUANTIZE_ROWS rows at a time changes no bit, and a 151,936-row
+    LM head's float32 temporaries stay 0.1 GB instead of several times its 0.5-0.9 GB."""
+    q = torch.empty(weight.shape, dtype=torch.int8)
+    scale = torch.empty(weight.shape[0], dtype=torch.float32)
+    for start in range(0, weight.shape[0], QUANTIZE_ROWS):
+        w = weight[start:start + QUANTIZE_ROWS].detach().float()
+        part = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
+        q[start:start + len(w)] = torch.round(w / part[:, None]).clamp(-127, 127)
+        scale[start:start + len(w)] = part
+    return q, scale
 
 
 class W8A8Linear:

@@ -90,7 +90,8 @@ def _fused(kind: str, modules: list[nn.Linear],
         weights, linear = _NATIVE[kind]
         tensors = linear.PACK(weights.cat(exact or []))
     else:
-        weight = torch.cat([m.weight.detach() for m in modules])
+        weight = modules[0].weight.detach() if len(modules) == 1 else torch.cat(
+            [m.weight.detach() for m in modules])
         tensors = dict(zip(("q", "scale"), quantize_per_channel(weight), strict=True)
                        ) if kind == "w8a8" else {"weight": weight}
     if any(m.bias is not None for m in modules):
@@ -102,11 +103,15 @@ def _fused(kind: str, modules: list[nn.Linear],
 def _exact(module: nn.Linear, name: str, stored: Mapping[str, KQuantWeights]
            ) -> KQuantWeights | None:
     """The module's file weights (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0) if ``stored`` has them and
-    they are exactly its weight (as loaded, in its dtype): never another model's numbers."""
+    they are exactly its weight (as loaded, in its dtype): never another model's numbers. A
+    module without a weight (a skeleton built for the file ``stored`` comes from) takes them as
+    they are."""
     if name not in stored:
         return None
     weights = stored[name]
     weight = module.weight.detach()
+    if weight.numel() == 0:  # a skeleton filled from the file that holds them (gguf_pack)
+        return weights if weights.q.shape == (module.out_features, module.in_features) else None
     if weights.q.shape != weight.shape or not torch.equal(
             weights.dequantize().to(weight.dtype), weight):
         return None

@@ -19,8 +19,9 @@ from pathlib import Path
 import gradio as gr
 
 from localspec.errors import InputFileError, LocalSpecError
+from localspec.models.cache_use import cache_cell
 from localspec.models.drafter_finder import DrafterReport, find_drafters, make_preset
-from localspec.models.library import LibraryEntry, add_path, list_library
+from localspec.models.library import LibraryEntry, add_path, entry_cache_use, list_library
 
 Choices = Callable[[], list[tuple[str, str]]]
 
@@ -29,20 +30,22 @@ def _size(n: int | None) -> str:
     return "?" if n is None else f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def library_html(entries: list[LibraryEntry]) -> str:
-    """The library as a table: name, source, architecture, size, quantization, context, and
+def library_html(entries: list[LibraryEntry], cache: list[str] | None = None) -> str:
+    """The library as a table: name, source, architecture, size, quantization, context, what
+    the cache holds for it (``cache``, one cell per entry, as ``models list`` writes it) and
     what serves it on the CPU (or why the entry cannot be read)."""
     rows = []
-    for e in entries:
+    for i, e in enumerate(entries):
         f = e.facts
         path = e.error or e.note or ("native" if f and f.native else
                                      f"not native: {f.native_reason}" if f else "")
         cells = (e.name, e.source, f.architecture if f else "?", _size(e.size),
                  (f.quantization or "?") if f else "?",
-                 str(f.context_length or "?") if f else "?", path or "")
+                 str(f.context_length or "?") if f else "?",
+                 cache[i] if cache else "?", path or "")
         rows.append("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in cells) + "</tr>")
     head = "".join(f"<th>{h}</th>" for h in ("name", "source", "arch", "size", "quantization",
-                                             "context", "CPU path"))
+                                             "context", "cache", "CPU path"))
     return f'<table class="ls-models"><tr>{head}</tr>{"".join(rows)}</table>'
 
 
@@ -69,7 +72,8 @@ def _targets(entries: list[LibraryEntry]) -> list[str]:
 def refresh() -> tuple[str, dict]:
     """The library's table and the target choices."""
     entries = list_library()
-    return library_html(entries), gr.update(choices=_targets(entries))
+    cache = [cache_cell(entry_cache_use(e).sizes()) for e in entries]
+    return library_html(entries, cache), gr.update(choices=_targets(entries))
 
 
 def add(source: str, include: str) -> tuple[str, str, dict]:
