@@ -162,10 +162,11 @@ def _private_cache(tmp_path_factory: pytest.TempPathFactory,
 
 def test_the_file_is_native_and_transformers_reads_it(qwen3_gguf: tuple[Path, PreTrainedModel]
                                                       ) -> None:
-    """The library describes the file as a native Qwen3; transformers reads it back as the
-    model it was written from (its conversion holds the same weights, bit for bit in the
-    bfloat16 asked for), and the loaded w4a8 model runs every layer in the native stack and
-    follows the float32 model (see test_architectures: LIMIT)."""
+    """The library describes the file as a native Qwen3; the loaded w4a8 model (packed from
+    the file, no conversion) runs every layer in the native stack and follows the float32
+    model (see test_architectures: LIMIT); transformers reads the file back as the model it
+    was written from (its conversion, made for an unquantized load, holds the same weights, bit
+    for bit in the bfloat16 asked for)."""
     path, model = qwen3_gguf
     facts = describe(path)
     assert facts.architecture == "qwen3" and facts.native, facts
@@ -175,7 +176,9 @@ def test_the_file_is_native_and_transformers_reads_it(qwen3_gguf: tuple[Path, Pr
     assert loaded.decoder.head_dim == HEAD_DIM and loaded.decoder.heads == HEADS
     config = json.loads((loaded.folder / "config.json").read_text())
     assert config["model_type"] == "qwen3" and config["head_dim"] == HEAD_DIM
-    converted = load_file(loaded.folder / "model.safetensors")
+    assert not (loaded.folder / "model.safetensors").exists()  # packed from the file itself
+    unquantized = load_model(ModelSpec(str(path), dtype="bfloat16", device="cpu"))
+    converted = load_file(unquantized.folder / "model.safetensors")
     expected = model.state_dict()
     assert set(converted) <= set(expected) and "model.layers.1.self_attn.k_norm.weight" in converted
     for name, tensor in converted.items():

@@ -25,7 +25,7 @@ from localspec.models.loading import ModelLoadError
 from localspec.pipeline import Pipeline
 from localspec.presets import load_preset
 from localspec.runtime.kernels import KernelUnavailable, quantize_q5k, serving_kernels
-from localspec.runtime.quant import Q4_0Linear, Q5KLinear, Q8_0Linear, W8A8Linear
+from localspec.runtime.quant import Q4_0Linear, Q5KLinear, Q8_0Linear
 from localspec.runtime.weight_formats import ConcatLinear
 
 pytestmark = pytest.mark.real_model
@@ -100,9 +100,10 @@ def test_q8_0_q5_k_q4_0_file_is_served_natively_and_speculation_is_lossless(
     for layer in layers:
         assert type(layer.o) is Q8_0Linear and type(layer.down) is Q5KLinear
         assert type(layer.gate_up) is Q8_0Linear  # gate and up: one fused Q8_0 matrix
-        # llama's q/k rows are permuted in a GGUF: int8 for those, the file's v as stored
+        # llama's q/k rows, permuted in a GGUF, put back in order and kept as stored too
         assert isinstance(layer.qkv, ConcatLinear)
-        assert [type(p) for p in layer.qkv.parts] == [W8A8Linear, Q4_0Linear]
+        assert [type(p) for p in layer.qkv.parts] == [Q8_0Linear, Q4_0Linear]
+    assert pipeline.target.decoder.native is not None  # the whole stack in one native call
     assert not any("no native kernel" in m for m in messages), messages
     ids = pipeline.encode_prompt("Repeat exactly: the cat sat on the mat. The cat sat on the")
     plain = pipeline.run(pipeline.request(ids, max_new_tokens=32), "none")
