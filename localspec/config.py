@@ -96,10 +96,6 @@ def cache_root() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "localspec"
 
 
-# Under cache_root(): a GGUF model's config and tokenizer, no weights (models/gguf_pack.py).
-GGUF_META_FOLDER = "meta"
-
-
 # The user's own data (saved conversations, added models, presets): not the cache, which a
 # user may delete to free space. ``LOCALSPEC_DATA`` moves it; else the platform's data folder.
 DATA_ENV = "LOCALSPEC_DATA"
@@ -122,6 +118,7 @@ def chats_path() -> Path:
 # (``LOCALSPEC_MODELS`` moves it); paths added by hand and user presets: the data folder.
 MODELS_ENV = "LOCALSPEC_MODELS"
 DOWNLOAD_FREE_MARGIN = 256 * 2**20  # free disk a download leaves besides its files
+GGUF_META_FOLDER = "meta"  # under cache_root(): a GGUF's config and tokenizer (gguf_pack)
 # What the fast native CPU path serves: the architectures its forward runs (runtime.decoder)
 # and the GGUF matrix types w4a8 keeps as stored (models.gguf_kquants).
 NATIVE_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
@@ -198,8 +195,7 @@ _STRICT = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 def _gguf_on_cpu(spec: TargetConfig | SpeculativeConfig, device: str) -> bool:
-    """A .gguf model, no quantization named, no CUDA device: served natively ("w4a8": each
-    matrix type with a kernel as stored, the others int8), not as bf16 by transformers."""
+    """A .gguf model, no quantization named, off CUDA: served natively (w4a8), not as bf16."""
     return ("quantization" not in spec.model_fields_set and device != "cuda"
             and str(spec.model or "").lower().endswith(".gguf"))
 
