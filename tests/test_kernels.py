@@ -29,8 +29,8 @@ from kernel_helpers import (
 from localspec.runtime.kernels import (
     GROUP,
     KERNELS_ENV,
-    Q4KWeights,
     Q6KWeights,
+    cat_rows,
     cpu_features,
     pack_q4k,
     pack_q6k,
@@ -219,7 +219,7 @@ def test_cat_equals_the_parts_bit_for_bit(lib: ctypes.CDLL) -> None:
     """Fused layers (q|k|v, gate|up) built with Q4KWeights.cat give each part's own output."""
     first = quantize_q4k(random_weights(32, 512, seed=14))
     second = quantize_q4k(random_weights(48, 512, seed=15))
-    fused = Q4KWeights.cat([first, second])
+    fused = cat_rows([first, second])
     assert torch.equal(fused.dequantize(), torch.cat([first.dequantize(), second.dequantize()]))
     x = random_inputs(lib.kernels_rows_per_pass() + 2, 512, seed=16)
     parts = torch.cat([Q4KLinear.from_weights(first, None, lib)(x),

@@ -23,6 +23,7 @@ from localspec.runtime.kernels.kquant_formats import (
     Q4KWeights,
     Q5KWeights,
     Q6KWeights,
+    cat_rows,
     quantize_q4k,
     unpack_q6k,
 )
@@ -87,8 +88,8 @@ def _fused(kind: str, modules: list[nn.Linear],
     ``_NATIVE``), int8 rows and scales ("w8a8") or the weight ("dense"), and the bias if any
     module has one."""
     if kind in _NATIVE:
-        weights, linear = _NATIVE[kind]
-        tensors = linear.PACK(weights.cat(exact or []))
+        linear = _NATIVE[kind][1]
+        tensors = linear.PACK(cat_rows(exact or []))
     else:
         weight = modules[0].weight.detach() if len(modules) == 1 else torch.cat(
             [m.weight.detach() for m in modules])

@@ -9,7 +9,8 @@ and Q4_0 (one scale per 32) are in ``q32_formats``. No native code runs here.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -24,6 +25,16 @@ Q6K_GROUP = 16  # inputs per signed 8-bit scale
 Q6K_BLOCK_BYTES = 210  # 128 bytes of low nibbles, 64 of top 2 bits, 16 int8 scales, d (fp16)
 Q5K_PACKED = ("qs5", "sc", "mn", "d", "dmin")  # qs5: the nibbles and fifth bits together
 Q5K_BLOCK_BYTES = 176  # Q4_K's fields and 32 bytes of fifth bits before the nibbles
+
+
+W = TypeVar("W")
+
+
+def cat_rows(parts: list[W]) -> W:
+    """Several matrices of one form (``Q4KWeights``, ``Q8_0Weights``, ...) and the same width,
+    one under the other (a fused layer): every field of theirs is rows first."""
+    return type(parts[0])(*(torch.cat([getattr(p, f.name) for p in parts])
+                            for f in fields(parts[0])))  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -41,12 +52,6 @@ class Q4KWeights:
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [n, k] (exact: every product is representable in float32)."""
         return _dequantize_k(self.q, self.sc, self.mn, self.d, self.dmin)
-
-    @staticmethod
-    def cat(parts: list[Q4KWeights]) -> Q4KWeights:
-        """Rows of several matrices of the same width, one under the other (fused layers)."""
-        return Q4KWeights(*(torch.cat([getattr(p, f) for p in parts])
-                            for f in ("q", "sc", "mn", "d", "dmin")))
 
 
 def _dequantize_k(q: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor, d: torch.Tensor,
@@ -160,11 +165,6 @@ class Q5KWeights:
         """The float32 weight [n, k], as gguf-py computes it."""
         return _dequantize_k(self.q, self.sc, self.mn, self.d, self.dmin)
 
-    @staticmethod
-    def cat(parts: list[Q5KWeights]) -> Q5KWeights:
-        return Q5KWeights(*(torch.cat([getattr(p, f) for p in parts])
-                            for f in ("q", "sc", "mn", "d", "dmin")))
-
 
 def parse_q5k(raw: np.ndarray, n: int, k: int) -> Q5KWeights:
     """GGUF Q5_K bytes of an [n, k] matrix as ``Q5KWeights``; decoding follows ggml's
@@ -220,12 +220,6 @@ class Q6KWeights:
         scale = self.d.repeat_interleave(SUPER // Q6K_GROUP, 1) * self.sc.float()
         q = (self.q.to(torch.int16) - 32).float().view(n, k // Q6K_GROUP, Q6K_GROUP)
         return (scale[..., None] * q).view(n, k)
-
-    @staticmethod
-    def cat(parts: list[Q6KWeights]) -> Q6KWeights:
-        return Q6KWeights(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "sc", "d")))
-
-
 
 
 def parse_q6k(raw: np.ndarray, n: int, k: int) -> Q6KWeights:

@@ -42,11 +42,6 @@ class Q8_0Weights:
         n, k = self.q.shape
         return (self.q.float().view(n, k // GROUP, GROUP) * self.d[..., None]).view(n, k)
 
-    @staticmethod
-    def cat(parts: list[Q8_0Weights]) -> Q8_0Weights:
-        """Rows of several matrices of the same width, one under the other (fused layers)."""
-        return Q8_0Weights(torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]))
-
 
 @dataclass(frozen=True)
 class Q4_0Weights:
@@ -61,11 +56,6 @@ class Q4_0Weights:
         n, k = self.q.shape
         q = (self.q.to(torch.int16) - 8).float().view(n, k // GROUP, GROUP)
         return (self.d[..., None] * q).view(n, k)
-
-    @staticmethod
-    def cat(parts: list[Q4_0Weights]) -> Q4_0Weights:
-        """Rows of several matrices of the same width, one under the other (fused layers)."""
-        return Q4_0Weights(torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]))
 
 
 # Every form a GGUF matrix is served in by the native kernels.
