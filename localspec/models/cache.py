@@ -207,24 +207,34 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress = no_progres
     config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(out_dir.parent)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, suffix=".part",
-                                prefix=f"{out_dir.name}.{writer_tag()}."))
-    try:
+
+    def fill(tmp: Path) -> None:
         config.save_pretrained(tmp)
         model.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         save_file({k: v.contiguous() for k, v in state.items()}, tmp / "model.safetensors",
                   metadata={"format": "pt", "source": gguf_path.name})
+
+    write_folder(out_dir, fill)
+    progress(f"converted {gguf_path.name}", 1.0)
+    return out_dir
+
+
+def write_folder(out_dir: Path, fill: Callable[[Path], None]) -> Path:
+    """Replace ``out_dir`` atomically by what ``fill`` writes into a temporary folder beside
+    it, with a manifest of every file: a reader sees the old folder or the whole new one."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(out_dir.parent)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, suffix=".part",
+                                prefix=f"{out_dir.name}.{writer_tag()}."))
+    try:
+        fill(tmp)
         write_manifest(tmp / MANIFEST_NAME, sorted(p.name for p in tmp.iterdir()))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
+        shutil.rmtree(out_dir, ignore_errors=True)
         tmp.replace(out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    progress(f"converted {gguf_path.name}", 1.0)
     return out_dir
 
 

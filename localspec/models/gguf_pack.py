@@ -27,8 +27,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -54,6 +52,7 @@ from localspec.models.cache import (
     gguf_cache_name,
     gguf_read_error,
     stored_as,
+    write_folder,
 )
 from localspec.models.gguf_header import TensorInfo, read_gguf_header
 from localspec.models.gguf_kquants import (
@@ -61,12 +60,6 @@ from localspec.models.gguf_kquants import (
     PARSERS,
     hf_module_name,
     unserved_message,
-)
-from localspec.models.integrity import (
-    MANIFEST_NAME,
-    remove_stale_temps,
-    write_manifest,
-    writer_tag,
 )
 from localspec.runtime.kernels import KQuantWeights
 from localspec.runtime.weight_formats import release_weights
@@ -117,21 +110,13 @@ def write_meta(gguf: Path, out_dir: Path) -> Path:
         raise gguf_read_error(gguf, exc) from exc
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(out_dir.parent)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, suffix=".part",
-                                prefix=f"{out_dir.name}.{writer_tag()}."))
-    try:
+
+    def fill(tmp: Path) -> None:
         config.save_pretrained(tmp)
         GenerationConfig.from_model_config(config).save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        write_manifest(tmp / MANIFEST_NAME, sorted(p.name for p in tmp.iterdir()))
-        shutil.rmtree(out_dir, ignore_errors=True)
-        tmp.replace(out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+
+    return write_folder(out_dir, fill)
 
 
 def gguf_meta(model: str, progress: Progress, dtype: str) -> Path | None:
