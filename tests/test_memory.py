@@ -103,18 +103,21 @@ def test_app_memory_flat_over_50_answers_with_clear() -> None:
 
     The margins sit between what was measured on 2-core x86 machines after the fix (seven runs)
     and before it (two): from answer 5 (the end of the first conversation) to 50, 10.0-17.2 MB
-    after, 38.7-40.1 before; from 25 to 50, 3.2-9.5 MB after, 21-23 before. A leak of the old
-    size fails both; one a third of its size may pass. What remains is no object: live Python
-    objects (tracemalloc) and live malloc blocks (heaptrack, 10 answers against 50) stay the
-    same, so it is the allocators settling (7.5 MB with oneDNN's cache off, slowing down), plus
-    oneDNN's first primitives for a verify width that adaptive k first picks later (~1.6 MB
-    each, at most one per width)."""
+    after, 38.7-40.1 before; from 25 to 50, 3.2-9.5 MB after, 21-23 before. A leak raises the
+    high-water mark as it raises the last point, so the margins compare high-water marks. A leak
+    of the old size fails both; one a third of its size may pass. What remains is no object:
+    live Python objects (tracemalloc) and live malloc blocks (heaptrack, 10 answers against 50)
+    stay the same, so it is the allocators settling (7.5 MB with oneDNN's cache off, slowing
+    down), plus oneDNN's first primitives for a verify width that adaptive k first picks later
+    (~1.6 MB each, at most one per width)."""
     points = probe("app", 50, 5, 24)
     assert set(points["notices"]) == {""} and points["turns"][4::5] == [10] * 10
     rss = points["rss"]
     curve = ", ".join(f"{mb:.0f}" for mb in rss)
-    assert rss[49] - rss[4] < 28, f"RSS by answer (MB): {curve}"
-    assert rss[49] - rss[24] < 15, f"RSS by answer (MB): {curve}"
+    # high-water marks, not single points: the allocators hand memory back now and then
+    # (one CI run fell 14 MB at answer 25 and climbed back to its old level by answer 30)
+    assert max(rss[25:]) - max(rss[:5]) < 28, f"RSS by answer (MB): {curve}"
+    assert max(rss[25:]) - max(rss[:25]) < 15, f"RSS by answer (MB): {curve}"
 
 
 @pytest.mark.real_model
