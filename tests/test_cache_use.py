@@ -14,6 +14,7 @@ from model_files import fake_builtin
 
 from localspec.config import ModelSpec, cache_root
 from localspec.models import cache_use
+from localspec.models.cache import assemble_builtin
 from localspec.models.loading import load_model
 
 
@@ -74,8 +75,10 @@ def test_a_users_gguf_shows_its_cache_and_free_deletes_only_that(tmp_path: Path)
 
 def test_free_of_a_builtin_deletes_its_assembled_gguf_and_packs(
         tiny_gguf: bytes, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    fake_builtin([tiny_gguf[:5000], tiny_gguf[5000:]], tmp_path, monkeypatch)
+    builtin = fake_builtin([tiny_gguf[:5000], tiny_gguf[5000:]], tmp_path, monkeypatch)
     load_model(ModelSpec("fake-model", dtype="bfloat16", quantization="w8a8"))
+    assert not cache_use.cache_use("fake-model").gguf  # released once packed
+    assemble_builtin(builtin)  # as a path that reads the file does (a float conversion)
     use = cache_use.cache_use("fake-model")
     assert use.gguf and use.packs and use.conversions  # conversions: its config and tokenizer
     assert not (cache_root() / "models").exists()  # no float conversion for the CPU forward

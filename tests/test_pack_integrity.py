@@ -22,6 +22,7 @@ import pytest
 import torch
 from conftest import run_cli
 from model_files import fake_builtin
+from safetensors.torch import load_file
 
 import localspec.models.integrity as integrity
 from localspec.config import ModelSpec, cache_root
@@ -205,14 +206,17 @@ def test_builtin_gguf_is_checked_whole_before_it_is_packed(
     builtin = fake_builtin([tiny_gguf[:5000], tiny_gguf[5000:]], tmp_path, monkeypatch)
     spec = ModelSpec("fake-model", dtype="bfloat16", quantization="w4a8")
     folder = load_model(spec).folder
-    shutil.rmtree(packed_store.store_dir(folder, "w4a8"))  # the next load packs again
-    gguf = cache.builtin_gguf_path(builtin)
+    pack = packed_store.store_dir(folder, "w4a8")
+    packed = load_file(pack / packed_store.WEIGHTS_NAME)
+    shutil.rmtree(pack)  # the next load packs again
+    gguf = cache.assemble_builtin(builtin)  # released once packed: assembled to be damaged
     size = gguf.stat().st_size
     scramble(gguf, unsampled(gguf, size // 2, size, 64), 64)
     assert integrity.verify_manifest(gguf.with_name(gguf.name + ".manifest.json")) is None
     with caplog.at_level(logging.WARNING):
         load_model(spec)
-    assert gguf.read_bytes() == tiny_gguf
+    again = load_file(pack / packed_store.WEIGHTS_NAME)
+    assert sorted(again) == sorted(packed) and all(again[k].equal(packed[k]) for k in packed)
     assert warned(caplog, str(gguf), "failed its integrity check")
 
 

@@ -43,6 +43,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from localspec.config import cache_root
 from localspec.errors import ModelLoadError
 from localspec.models.builtin import BuiltinModel
+from localspec.models.gguf_header import GGUFHeader, read_gguf_header, read_gguf_header_parts
 from localspec.models.integrity import (
     MANIFEST_NAME,
     remove_stale_temps,
@@ -165,6 +166,29 @@ def assemble_builtin(model: BuiltinModel, progress: Progress = no_progress,
     write_manifest(_gguf_manifest(dest), [dest.name], {dest.name: model.sha256})
     dest.with_suffix(".sha256").unlink(missing_ok=True)  # the marker before manifests
     return dest
+
+
+def builtin_header(model: BuiltinModel, arrays: frozenset[str] = frozenset()) -> GGUFHeader:
+    """The GGUF header of a built-in model: from its assembled file when there is one, else
+    from its packages' first bytes (never assembling 1.1 GB to read a few MB)."""
+    dest = builtin_gguf_path(model)
+    if dest.is_file():
+        return read_gguf_header(dest, arrays)
+    return read_gguf_header_parts(_source_files(model), dest, model.size, arrays)
+
+
+def release_assembled(model: BuiltinModel) -> None:
+    """Delete the assembled GGUF of a built-in model once a pack holds what is served from it:
+    its packages stay the source, and it is assembled again (seconds) only when a path reads
+    it (another pack, a float conversion, the drafter finder's tokenizer check). The cache then
+    holds the packs, not the file a second time beside its packages."""
+    dest = builtin_gguf_path(model)
+    for path in (dest, _gguf_manifest(dest)):
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as exc:  # e.g. a file still open elsewhere on Windows: kept, as before
+            logger.info("kept %s: %s", path, exc)
+            return
 
 
 # ----------------------------------------------------------------------------- conversion

@@ -115,10 +115,11 @@ def gguf_architecture(header: GGUFHeader) -> str:
     return arch
 
 
-def describe_gguf(path: Path, strict: bool = False) -> ModelFacts:
-    """The facts of a ``.gguf`` file from its header; ``strict`` also refuses an architecture
-    LocalSpec cannot load."""
-    header = read_gguf_header(path)
+def describe_gguf(path: Path, strict: bool = False, header: GGUFHeader | None = None
+                  ) -> ModelFacts:
+    """The facts of a ``.gguf`` file from its header (``header``: already read); ``strict``
+    also refuses an architecture LocalSpec cannot load."""
+    header = header or read_gguf_header(path)
     arch = gguf_architecture(header) if strict else header.architecture
     types = layer_types(header)
     if not types:

@@ -28,7 +28,7 @@ from pathlib import Path
 from localspec.config import BUILTIN_HEADS, NATIVE_ARCHITECTURES, parse_preset
 from localspec.errors import LocalSpecError, ModelLoadError
 from localspec.models.builtin import BUILTIN_MODELS
-from localspec.models.cache import assemble_builtin
+from localspec.models.cache import builtin_gguf_path, builtin_header
 from localspec.models.gguf_header import read_gguf_header
 from localspec.models.hardware import (
     Hardware,
@@ -54,19 +54,14 @@ class Vocabulary:
     added: dict[str, int]
 
 
-def _path(entry: LibraryEntry) -> Path:
-    """The entry's file or folder; a built-in GGUF is assembled from its packages first."""
-    if entry.path is not None:
-        return entry.path
-    return assemble_builtin(BUILTIN_MODELS[entry.name])
-
-
 def vocabulary(entry: LibraryEntry) -> Vocabulary:
-    """The tokenizer of a library entry (ModelLoadError when it cannot be read)."""
-    path = _path(entry)
-    if path.is_file():
-        header = read_gguf_header(path, frozenset({"tokenizer.ggml.tokens",
-                                                   "tokenizer.ggml.token_type"}))
+    """The tokenizer of a library entry (ModelLoadError when it cannot be read); a built-in
+    one from its packages' GGUF header."""
+    arrays = frozenset({"tokenizer.ggml.tokens", "tokenizer.ggml.token_type"})
+    builtin = BUILTIN_MODELS.get(entry.name) if entry.source == "built-in" else None
+    path = builtin_gguf_path(builtin) if builtin else entry.path or Path(entry.model)
+    if builtin or path.is_file():
+        header = builtin_header(builtin, arrays) if builtin else read_gguf_header(path, arrays)
         tokens = header.fields.get("tokenizer.ggml.tokens")
         types = header.fields.get("tokenizer.ggml.token_type") or []
         if not isinstance(tokens, list) or not isinstance(types, list):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import mmap
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,9 @@ from localspec.errors import ModelLoadError
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
+# The first read of a header split in parts (the built-in Qwen's, with its 151,936-token
+# vocabulary, is ~7 MB)
+HEADER_FIRST_READ = 1 << 24
 _SCALARS = {GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",
             GGUFValueType.INT16: "<h", GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
             GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?", GGUFValueType.UINT64: "<Q",
@@ -177,7 +181,30 @@ def read_gguf_header(path: Path, arrays: frozenset[str] = frozenset()) -> GGUFHe
                              ) from exc
 
 
-def _parse(buffer: mmap.mmap, path: Path, size: int, arrays: frozenset[str]) -> GGUFHeader:
+def read_gguf_header_parts(parts: Sequence[Path], where: Path, size: int,
+                           arrays: frozenset[str] = frozenset()) -> GGUFHeader:
+    """The header of a ``size``-byte GGUF file stored as consecutive ``parts`` (a built-in
+    model's packages), from its first bytes only: listing or checking it needs no assembled copy.
+    ``where`` names the file in messages. Reads ``HEADER_FIRST_READ`` bytes, then four times
+    more while the header runs past what was read."""
+    want = HEADER_FIRST_READ
+    while True:
+        head = bytearray()
+        for part in parts:
+            with part.open("rb") as f:
+                head += f.read(want - len(head))
+            if len(head) >= want:
+                break
+        try:
+            return _parse(bytes(head), where, size, arrays)
+        except ModelLoadError:
+            if len(head) >= size or len(head) < want:  # all of it read: the damage is real
+                raise
+            want *= 4
+
+
+def _parse(buffer: mmap.mmap | bytes, path: Path, size: int, arrays: frozenset[str]
+           ) -> GGUFHeader:
     cursor = _Cursor(buffer, path)
     if bytes(cursor.take(4)) != GGUF_MAGIC:
         raise ModelLoadError(f"{path}: not a GGUF file (it does not start with 'GGUF')")

@@ -92,10 +92,10 @@ def gguf_file(model: str, progress: Progress) -> Path | None:
     return path
 
 
-def meta_dir(model: str, gguf: Path, dtype: str) -> Path:
-    """Where the config and tokenizer of ``model`` (its file ``gguf``) are kept; one per dtype,
-    as the packs keyed by it differ by dtype."""
-    name = model if model in BUILTIN_MODELS else gguf_cache_name(gguf)
+def meta_dir(model: str, gguf: Path | None, dtype: str) -> Path:
+    """Where the config and tokenizer of ``model`` (its file ``gguf``; None for a built-in, named
+    by its model name) are kept; one per dtype, as the packs keyed by it differ by dtype."""
+    name = model if model in BUILTIN_MODELS or gguf is None else gguf_cache_name(gguf)
     return stored_as(cache_root() / META_FOLDER / name, dtype)
 
 
@@ -121,12 +121,16 @@ def write_meta(gguf: Path, out_dir: Path) -> Path:
 
 def gguf_meta(model: str, progress: Progress, dtype: str) -> Path | None:
     """The config-and-tokenizer folder of a GGUF model, written on first use and whenever it
-    fails its check; None for a model that is not a GGUF file."""
+    fails its check; None for a model that is not a GGUF file. A built-in's sound folder is
+    taken without its GGUF: that is assembled only to write the folder or a pack."""
+    builtin = model in BUILTIN_MODELS
+    if builtin and cached_dir_ok(meta_dir(model, None, dtype), progress):
+        return meta_dir(model, None, dtype)
     gguf = gguf_file(model, progress)
     if gguf is None:
         return None
     out_dir = meta_dir(model, gguf, dtype)
-    if not cached_dir_ok(out_dir, progress):
+    if builtin or not cached_dir_ok(out_dir, progress):
         write_meta(gguf, out_dir)
     return out_dir
 

@@ -37,9 +37,9 @@ from localspec.config import data_root, models_root
 from localspec.errors import InputFileError, LocalSpecError, ModelLoadError
 from localspec.files import parse_json, read_user_text
 from localspec.models.builtin import BUILTIN_MODELS
-from localspec.models.cache import builtin_gguf_path
+from localspec.models.cache import builtin_gguf_path, builtin_header
 from localspec.models.cache_use import CacheUse, cache_use, free_cache
-from localspec.models.describe import ModelFacts, check_model, describe
+from localspec.models.describe import ModelFacts, check_model, describe, describe_gguf
 
 SOURCES = ("built-in", "models folder", "added", "hf cache")
 MAX_LIBRARY_PATHS = 10_000  # paths the library remembers; a bound on what its file may hold
@@ -97,9 +97,14 @@ def builtin_entries() -> list[LibraryEntry]:
         if path.is_file():
             entries.append(_entry(model.name, "built-in", model.name, path))
         else:
-            entries.append(LibraryEntry(model.name, "built-in", model.name, None,
-                                        size_bytes=model.size, note="assembled from its "
-                                        f"packages at first use ({model.description})"))
+            note = f"read from its packages ({model.description})"
+            try:
+                facts = describe_gguf(path, header=builtin_header(model))
+                entries.append(LibraryEntry(model.name, "built-in", model.name, None, facts,
+                                            note=note))
+            except (LocalSpecError, OSError) as exc:
+                entries.append(LibraryEntry(model.name, "built-in", model.name, None,
+                                            error=str(exc), size_bytes=model.size, note=note))
     return entries
 
 

@@ -33,7 +33,6 @@ from localspec.config import CPU_QUANTIZATIONS, DEVICES, DTYPES, QUANTIZATIONS, 
 from localspec.errors import ModelLoadError
 from localspec.models.builtin import BUILTIN_MODELS
 from localspec.models.cache import (
-    GGUF_READ_ERRORS,
     MANIFEST_NAME,
     Progress,
     builtin_model_dir,
@@ -43,8 +42,14 @@ from localspec.models.cache import (
     weights_intact,
 )
 from localspec.models.gguf_kquants import read_kquant_matrices, unserved_message
-from localspec.models.gguf_pack import fill_from_gguf, gguf_meta, skeleton
-from localspec.models.packed_store import cpu_decoder, cpu_format, kquant_source, stored_decoder
+from localspec.models.gguf_pack import gguf_meta, skeleton
+from localspec.models.packed_store import (
+    cpu_decoder,
+    cpu_format,
+    kquant_source,
+    pack_from_gguf,
+    stored_decoder,
+)
 from localspec.runtime.decoder import CpuDecoder, unsupported_reason
 from localspec.runtime.quant import quantize_int8_weight_only
 from localspec.runtime.runner import ModelRunner
@@ -282,16 +287,7 @@ def _from_gguf(spec: ModelSpec, dtype: torch.dtype, share: LoadedModel | None, k
     if model is None:
         return None
     _refuse_unsupported(spec, model)
-    progress(f"{kind} weights of {spec.model} from its GGUF file (done once)", 0.5)
-    source = kquant_source(spec, progress) or Path(spec.model)  # a built-in checked whole
-    try:
-        stored = fill_from_gguf(model, source, kind)
-    except (ValueError, KeyError, *GGUF_READ_ERRORS) as exc:
-        raise ModelLoadError(f"could not read the weights of {spec.model} from {source}: "
-                             f"{exc}") from exc
-    if stored.unserved:  # logged by the reader
-        progress(unserved_message(source, stored.unserved), 0.5)
-    decoder = cpu_decoder(model, folder, kind, stored, kernel_lib)
+    decoder = pack_from_gguf(spec, model, folder, kind, kernel_lib, progress)
     return folder, _load_tokenizer(folder, share), model, decoder
 
 

@@ -35,7 +35,7 @@ import os
 import shutil
 import tempfile
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import numpy
@@ -44,8 +44,18 @@ from safetensors.torch import save_file
 from transformers import PreTrainedModel
 
 from localspec.config import ModelSpec, cache_root
+from localspec.errors import ModelLoadError
 from localspec.models.builtin import BUILTIN_MODELS
-from localspec.models.cache import Progress, assemble_builtin, builtin_gguf_path, kernel_dir
+from localspec.models.cache import (
+    GGUF_READ_ERRORS,
+    Progress,
+    assemble_builtin,
+    builtin_gguf_path,
+    kernel_dir,
+    release_assembled,
+)
+from localspec.models.gguf_kquants import unserved_message
+from localspec.models.gguf_pack import fill_from_gguf
 from localspec.models.integrity import (
     MANIFEST_NAME,
     remove_stale_temps,
@@ -234,10 +244,11 @@ def stored_decoder(model: PreTrainedModel, folder: Path, kind: str = "w8a8",
 
 def cpu_decoder(model: PreTrainedModel, folder: Path, kind: str = "w8a8",
                  q4k: Mapping[str, KQuantWeights] | None = None,
-                 kernel_lib: object | None = None) -> CpuDecoder:
+                 kernel_lib: object | None = None,
+                 on_stored: Callable[[], None] = lambda: None) -> CpuDecoder:
     """The ``kind`` CPU forward of ``model`` (loaded from ``folder``): from the store when it
     holds a sound copy, else quantized now (``q4k``: the source file's Q4_K and Q6_K matrices, for
-    "w4a8") and stored for the next start."""
+    "w4a8") and stored for the next start (then ``on_stored`` is called)."""
     out_dir = store_dir(folder, kind)
     decoder = _from_store(model, out_dir, kind, kernel_lib)
     if decoder is not None:
@@ -247,7 +258,28 @@ def cpu_decoder(model: PreTrainedModel, folder: Path, kind: str = "w8a8",
         _save(weights, out_dir)
     except OSError as exc:  # a full or read-only disk costs the next start time, nothing else
         logger.warning("could not store %s weights in %s: %s", kind, out_dir, exc)
+    else:
+        on_stored()
     return CpuDecoder(model, kind, weights, kernel_lib)
+
+
+def pack_from_gguf(spec: ModelSpec, model: PreTrainedModel, folder: Path, kind: str,
+                   kernel_lib: object | None, progress: Progress) -> CpuDecoder:
+    """The ``kind`` CPU forward of a GGUF model (``model`` a skeleton from its meta ``folder``),
+    packed straight from the file (``gguf_pack``); a built-in's assembled file is deleted once
+    the pack is stored (``release_assembled``)."""
+    progress(f"{kind} weights of {spec.model} from its GGUF file (done once)", 0.5)
+    source = kquant_source(spec, progress) or Path(spec.model)  # a built-in checked whole
+    try:
+        stored = fill_from_gguf(model, source, kind)
+    except (ValueError, KeyError, *GGUF_READ_ERRORS) as exc:
+        raise ModelLoadError(f"could not read the weights of {spec.model} from {source}: "
+                             f"{exc}") from exc
+    if stored.unserved:  # logged by the reader
+        progress(unserved_message(source, stored.unserved), 0.5)
+    builtin = BUILTIN_MODELS.get(spec.model)
+    return cpu_decoder(model, folder, kind, stored, kernel_lib,
+                       (lambda: release_assembled(builtin)) if builtin else lambda: None)
 
 
 def gguf_source(spec: ModelSpec) -> Path | None:
