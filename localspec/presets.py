@@ -106,17 +106,17 @@ def preset_path(name_or_path: str) -> Path | Traversable:
                       f"{user_presets_root()}")
 
 
-def save_user_preset(name: str, text: str) -> Path:
+def save_user_preset(name: str, text: str, replace: bool = False) -> Path:
     """Write ``text`` (a preset's TOML) as the user's preset ``name``, once it parses and
     validates; PresetError for a name that is not a plain file stem, is a shipped preset's
-    or is taken, or for text that is not a valid preset."""
+    or is taken (unless ``replace``), or for text that is not a valid preset."""
     if not USER_PRESET_NAME.match(name):
         raise PresetError(f"preset name {name!r}: use letters, digits, '.', '_' and '-' (up to "
                           "64, starting with a letter or digit)")
     if name in shipped_preset_names():
         raise PresetError(f"'{name}' is a shipped preset's name: choose another name for yours")
     path = user_presets_root() / f"{name}.toml"
-    if path.exists():
+    if path.exists() and not replace:
         raise PresetError(f"a preset '{name}' already exists ({path}): choose another name, or "
                           "delete that file first")
     parse_preset(tomllib.loads(text), where=f"preset '{name}'")

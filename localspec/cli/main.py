@@ -1,5 +1,5 @@
 """Command line: ``localspec generate | bench | verify | quality | presets | export-vllm |
-gpucheck | serve | chats | models``.
+gpucheck | serve | chats | models | tune``.
 
 Thin: parse flags, validate them against the preset (no model needed), load a preset into a
 Pipeline, call the engine, benchmark or checker, print. Every flag, method and prompt is checked
@@ -42,6 +42,7 @@ from localspec.cli.options import (
     add_models,
     add_serve,
     add_train_drafter,
+    add_tune,
     count,
 )
 from localspec.config import (
@@ -209,6 +210,12 @@ def _cmd_models(args: argparse.Namespace) -> int:
     return run_models(args, log=_log_line)
 
 
+def _cmd_tune(args: argparse.Namespace) -> int:
+    from localspec.cli.tune import run_tune_command
+
+    return run_tune_command(args, log=_log_line)
+
+
 def _cmd_train_drafter(args: argparse.Namespace) -> int:
     from localspec.cli.train_drafter import run_train_drafter
 
@@ -293,6 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve(sub, _cmd_serve)
     add_chats(sub, _cmd_chats)
     add_models(sub, _cmd_models)
+    add_tune(sub, _cmd_tune)
     return parser
 
 

@@ -14,6 +14,7 @@ from localspec.config import (
     CHATS_FILE,
     DATA_ENV,
     DEFAULT_PRESET,
+    MAX_BENCH_REPEATS,
     MAX_NEW_TOKENS,
     MAX_SPECULATIVE_TOKENS,
 )
@@ -154,6 +155,25 @@ def add_serve(sub: argparse._SubParsersAction, handler: Handler) -> None:
                        help="save each chat request and its answer with the app's "
                             f"conversations (${DATA_ENV}/{CHATS_FILE}; off by default)")
     serve.set_defaults(func=handler)
+
+
+def add_tune(sub: argparse._SubParsersAction, handler: Handler) -> None:
+    """``tune``'s flags (``cli/tune`` runs it)."""
+    tune = sub.add_parser("tune", help="measure this machine and save the preset's fastest "
+                                       "settings as a preset of yours (a few minutes)")
+    tune.add_argument("--preset", default=DEFAULT_PRESET,
+                      help="the preset to start from: shipped (see `localspec presets`) or a "
+                           ".toml path")
+    tune.add_argument("--prompts", default=None,
+                      help="JSONL file of your own requests (default: the built-in set)")
+    tune.add_argument("--max-new-tokens", type=int, default=64,
+                      help="tokens generated per prompt and setting (default 64)")
+    tune.add_argument("--repeats", type=count(MAX_BENCH_REPEATS), default=2,
+                      help="rounds of the final before/after comparison (default 2)")
+    tune.add_argument("--name", default=None,
+                      help="the saved preset's name (default: PRESET-tuned)")
+    tune.add_argument("--json", action="store_true", help="print one JSON object")
+    tune.set_defaults(func=handler)
 
 
 def add_chats(sub: argparse._SubParsersAction, handler: Handler) -> None:

@@ -1,0 +1,101 @@
+"""``localspec tune`` on tiny models: it writes a valid preset of the user's, derived from the one
+it started from, and never keeps settings that measured slower than the starting ones."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+from conftest import assert_user_error, run_cli
+
+from localspec.cli import tune
+from localspec.presets import load_preset, user_presets_root
+
+
+@pytest.fixture(autouse=True)
+def own_presets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCALSPEC_DATA", str(tmp_path / "data"))
+
+
+def prompts_file(tmp_path: Path) -> str:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": p}) for p in (
+        "def add(a, b): return a + b\ndef add(a, b): return a + b\n",
+        "the cat sat on the mat and the cat sat on the mat")), encoding="utf-8")
+    return str(path)
+
+
+def test_tune_writes_a_valid_preset_never_slower_than_its_start(
+        presets: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(capsys, "tune", "--preset", presets["draft"], "--prompts",
+                             prompts_file(tmp_path), "--max-new-tokens", "8", "--repeats", "1",
+                             "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    name = Path(presets["draft"]).stem + "-tuned"
+    assert report["name"] == name and Path(report["saved"]).parent == user_presets_root()
+    assert [int(w) for w in report["pass_ms"]] == list(range(1, 18))
+    tried = [t["settings"].split(",")[0] for t in report["trials"] if t["stage"] == "method"]
+    assert tried == tune.runnable_methods(load_preset(presets["draft"])), tried
+    assert {"none", "ngram", "draft_model"} <= set(tried)
+    before, after = report["before"], report["after"]
+    assert after["tok_s"] >= before["tok_s"]
+    assert after["settings"] == before["settings"] or after["tok_s"] > before["tok_s"]
+    saved = load_preset(name)
+    assert tune.settings_of(saved).label() == after["settings"]
+    assert saved.target == load_preset(presets["draft"]).target
+    text = Path(report["saved"]).read_text(encoding="utf-8")
+    assert text.startswith(tune.MARK) and "draft_dtype" in text  # the source's other keys
+    # run again: its own preset is replaced, not refused
+    code, _, err = run_cli(capsys, "tune", "--preset", presets["draft"], "--prompts",
+                           prompts_file(tmp_path), "--max-new-tokens", "4", "--repeats", "1")
+    assert code == 0, err
+
+
+def test_a_fast_looking_candidate_slower_in_the_final_comparison_is_not_kept(
+        presets: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seconds faked per setting: k = 16 looks three times as fast in the search (its first
+    run) and is half as fast in the before/after rounds: the search picks it, the final rounds
+    drop it, and the saved preset keeps the starting settings."""
+    runs: dict[tune.Settings, int] = {}
+    real = tune.measure
+
+    def timed(pipe: object, s: tune.Settings, encoded: list[list[int]], max_new: int,
+              into: tune.Measured | None = None) -> tune.Measured:
+        m = real(pipe, s, encoded, max_new, into)  # type: ignore[arg-type]
+        runs[s] = runs.get(s, 0) + 1
+        rate = (300.0 if runs[s] == 1 else 50.0) if s.k == 16 else 100.0
+        m.seconds = m.tokens / rate
+        return m
+
+    monkeypatch.setattr(tune, "measure", timed)
+    code, out, err = run_cli(capsys, "tune", "--preset", presets["draft"], "--prompts",
+                             prompts_file(tmp_path), "--max-new-tokens", "6", "--repeats", "2",
+                             "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    start = tune.settings_of(load_preset(presets["draft"]))
+    assert report["searched"] == dataclasses.replace(start, k=16).label()
+    assert report["after"]["settings"] == start.label()
+    assert report["after"]["tok_s"] == pytest.approx(100.0)
+    assert tune.settings_of(load_preset(report["name"])) == start
+
+
+def test_a_name_held_by_another_preset_is_refused_before_loading(
+        presets: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        no_loading: None) -> None:
+    folder = user_presets_root()
+    folder.mkdir(parents=True)
+    (folder / "mine.toml").write_text("# my own\n", encoding="utf-8")
+    assert_user_error(run_cli(capsys, "tune", "--preset", presets["draft"], "--name", "mine"),
+                      "already exists", "did not make it")
+    assert (folder / "mine.toml").read_text(encoding="utf-8") == "# my own\n"
+
+
+def test_settings_round_trip_through_a_preset(presets: dict[str, str]) -> None:
+    preset = load_preset(presets["draft"])
+    s = dataclasses.replace(tune.settings_of(preset), k=12, threshold=0.2, lookup_first=True)
+    assert tune.settings_of(tune.with_settings(preset, s)) == s
