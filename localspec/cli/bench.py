@@ -36,7 +36,7 @@ from localspec.config import CPU_QUANTIZATIONS, Preset, unquantized_target
 from localspec.drafters.simulated import SimulatedDrafter
 from localspec.errors import ConfigError, PresetError
 from localspec.pipeline import Pipeline, check_method
-from localspec.registry import method_names, methods_needing
+from localspec.registry import AUTO, method_names, methods_needing
 
 __all__ = ["DEFAULT_HF_METHODS", "HF_METHODS", "SIMULATED", "check_methods", "default_methods",
            "first_difference", "format_table", "hf_pipeline", "load_prompts", "needs_draft",
@@ -82,17 +82,23 @@ def simulated_acceptance(method: str) -> float | None:
     return acceptance if 0.0 <= acceptance <= 1.0 else None
 
 
-def needs_draft(method: str) -> bool:
-    """Whether ``method`` (ours, hf-* or simulated) runs the preset's draft model."""
-    return (method in methods_needing("draft_model") or method == "hf-assisted"
+def needs_draft(method: str, preset: Preset | None = None) -> bool:
+    """Whether ``method`` (ours, hf-* or simulated) runs the preset's draft model (an "auto"
+    set: when ``preset`` gives it one)."""
+    member = (preset is not None and method in method_names()
+              and "draft_model" in preset.drafter_methods(method))
+    return (method in methods_needing("draft_model") or method == "hf-assisted" or member
             or simulated_acceptance(method) is not None)
 
 
 def default_methods(preset: Preset) -> list[str]:
-    """Every registered method ``preset`` can run, then DEFAULT_HF_METHODS less one needing a
-    draft model the preset does not name."""
+    """Every registered method ``preset`` can run ("auto" when it has several members: one is
+    its only member run again), then DEFAULT_HF_METHODS less one needing a draft model the
+    preset does not name."""
     ours = []
     for method in method_names():
+        if method == AUTO and len(preset.drafter_methods(AUTO)) < 2:
+            continue
         try:
             check_method(preset, method)
         except PresetError:

@@ -183,7 +183,8 @@ def greedy_methods(pipe: Pipeline) -> list[str]:
     loaded."""
     methods = []
     for spec in drafters():
-        if not spec.speculative or (spec.needs == "draft_model" and pipe.draft is None):
+        members = pipe.preset.drafter_methods(spec.name) if spec.speculative else ()
+        if not members or (pipe.draft is None and "draft_model" in members):
             continue
         try:
             check_method(pipe.preset, spec.name)
