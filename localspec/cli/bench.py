@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any
 
@@ -193,7 +193,7 @@ def _run_ours(pipe: Pipeline, method: str, prompt_ids: list[int], max_new: int,
     return {"token_ids": result.token_ids, "text": result.text,
             "tokens_per_second": s.tokens_per_second, "wall_time_s": s.wall_time,
             "acceptance_rate": s.acceptance_rate, "mean_accepted_length": s.mean_accepted_length,
-            "target_forward_passes": s.target_forward_passes}
+            "target_forward_passes": s.target_forward_passes, "drafters": s.drafters()}
 
 
 def _run_one(pipe: Pipeline, hf_pipe: Pipeline | None, method: str, prompt_ids: list[int],
@@ -279,6 +279,7 @@ def summarise(prompts: list[dict[str, Any]], methods: list[str],
                 "new_tokens": len(rs[0]["token_ids"]),
                 "identical_to_none": first_diff is None,
                 "first_difference_at": first_diff,
+                "drafters": rs[0].get("drafters", {}),
             }
         per_prompt.append(detail)
     summary: dict[str, Any] = {}
@@ -294,8 +295,22 @@ def summarise(prompts: list[dict[str, Any]], methods: list[str],
             "acceptance_rate": statistics.mean(acc) if acc else None,
             "mean_accepted_length": statistics.mean(r["mean_accepted_length"] for r in rows),
             "identical_to_none": all(r["identical_to_none"] for r in rows),
+            "drafters": _drafter_totals(r["drafters"] for r in rows),
         }
     return {"methods": summary, "prompts": per_prompt}
+
+
+def _drafter_totals(runs: Iterable[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Steps, drafted and accepted tokens per drafter over ``runs``, with the acceptance."""
+    totals: dict[str, dict[str, Any]] = {}
+    for run in runs:
+        for name, counts in run.items():
+            total = totals.setdefault(name, {"steps": 0, "drafted": 0, "accepted": 0})
+            for key in total:
+                total[key] += counts[key]
+    for total in totals.values():
+        total["acceptance_rate"] = total["accepted"] / total["drafted"] if total["drafted"] else 0.0
+    return totals
 
 
 def _fmt(value: float | None, spec: str) -> str:
