@@ -36,7 +36,7 @@ from localspec.config import CPU_QUANTIZATIONS, Preset, unquantized_target
 from localspec.drafters.simulated import SimulatedDrafter
 from localspec.errors import ConfigError, PresetError
 from localspec.pipeline import Pipeline, check_method
-from localspec.registry import AUTO, method_names, methods_needing
+from localspec.registry import AUTO, drafter_spec, method_names, methods_needing
 
 __all__ = ["DEFAULT_HF_METHODS", "HF_METHODS", "SIMULATED", "check_methods", "default_methods",
            "first_difference", "format_table", "hf_pipeline", "load_prompts", "needs_draft",
@@ -86,7 +86,8 @@ def needs_draft(method: str, preset: Preset | None = None) -> bool:
     """Whether ``method`` (ours, hf-* or simulated) runs the preset's draft model (an "auto"
     set: when ``preset`` gives it one)."""
     member = (preset is not None and method in method_names()
-              and "draft_model" in preset.drafter_methods(method))
+              and any(drafter_spec(name).needs == "draft_model"
+                      for name in preset.drafter_methods(method)))
     return (method in methods_needing("draft_model") or method == "hf-assisted" or member
             or simulated_acceptance(method) is not None)
 

@@ -24,6 +24,7 @@ from localspec.errors import RequestError
 from localspec.files import check_unicode
 from localspec.pipeline import check_method, request_settings_for
 from localspec.presets import load_preset
+from localspec.registry import drafter_spec
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,8 @@ def run_generate(args: argparse.Namespace) -> int:
     sample) or one JSON object; a summary line on stderr."""
     plan = plan_generate(args)
     members = plan.preset.drafter_methods(plan.method)
-    pipe = load_pipeline(plan.preset, need_draft="draft_model" in members)
+    needs = [drafter_spec(name).needs for name in members]
+    pipe = load_pipeline(plan.preset, need_draft="draft_model" in needs)
     prompt_ids = pipe.encode_prompt(args.prompt, raw=args.raw)
     streaming = not args.json and len(plan.seeds) == 1
     samples = []
