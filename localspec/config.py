@@ -37,7 +37,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from localspec.errors import PresetError, RequestError
-from localspec.registry import drafter_spec, method_names
+from localspec.registry import AUTO, check_members, drafter_spec, members_of, method_names
 
 # ----------------------------------------------------------------------------- names
 
@@ -67,13 +67,8 @@ DEVICES: tuple[str, ...] = get_args(Device)
 QUANTIZATIONS: tuple[str, ...] = get_args(QuantizationName)
 # Former names a preset may still use, and what they are called now.
 RENAMED_QUANTIZATIONS = {"w4a8-requant": "requant-q4k"}
-
-
-def _current_quantization(value: object) -> object:
-    return RENAMED_QUANTIZATIONS.get(value, value) if isinstance(value, str) else value
-
-
-Quantization = Annotated[QuantizationName, BeforeValidator(_current_quantization)]
+Quantization = Annotated[QuantizationName, BeforeValidator(
+    lambda value: RENAMED_QUANTIZATIONS.get(value, value) if isinstance(value, str) else value)]
 # Served by the CPU forward (runtime.decoder): "w8a8" int8 weights, per-token int8 activations;
 # "w4a8" a GGUF's matrices of NATIVE_GGUF_TYPES as stored (others w8a8); "requant-q4k" every
 # layer matrix requantized to Q4_K (lossy against the file: for drafts, which only guess).
@@ -134,9 +129,7 @@ def models_root() -> Path:
 # ----------------------------------------------------------------------------- limits
 
 MAX_SPECULATIVE_TOKENS = 32  # the most drafts one target pass verifies
-# Tokens of KV cache a GPU preset reserves (prompt + answer): what its memory estimate counts
-# and what a static cache (``cuda_graphs``) holds.
-DEFAULT_CONTEXT = 4096
+DEFAULT_CONTEXT = 4096  # KV tokens a GPU preset reserves: its memory estimate, cuda_graphs' cache
 MAX_LOOKUP_NGRAM = 64
 MAX_NEW_TOKENS = 32768
 MAX_TEMPERATURE = 100.0
@@ -144,16 +137,13 @@ MAX_TOP_K = 1_000_000
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
 MAX_NUM_SAMPLES = 1000
 MAX_BENCH_REPEATS = 100
-# The most a file the user names may hold (prompts, presets, texts, training documents):
-# far beyond any real one, and a bound on what a mistaken path (/dev/zero) can make us read.
+# A file the user names (prompts, presets, texts, documents): bounds what /dev/zero makes us read
 MAX_USER_FILE_BYTES = 64 * 2**20
-# The most a training corpus the user names (files and folders together) may hold: ~60M tokens,
-# days of feature extraction on a CPU; a bound on what `--corpus /` makes us read.
+# A training corpus (all its files): ~60M tokens, days of features on a CPU; bounds `--corpus /`
 MAX_CORPUS_BYTES = 4 * MAX_USER_FILE_BYTES
 # The span of the app's sliders: the useful range, inside the limits above.
 SLIDER_MAX = {"temperature": 2.0, "top_k": 200, "max_new_tokens": 8192}
-# The OpenAI-compatible API (``localspec serve``, and /v1 of the app).
-API_PORT = 8000
+API_PORT = 8000  # the OpenAI-compatible API (``localspec serve``, and /v1 of the app)
 # Requests the API holds at once, waiting or generating (answers come one at a time, the app's
 # and the API's alike): one more is answered 429 with Retry-After, not left to hang.
 API_MAX_QUEUED = 16
@@ -171,10 +161,8 @@ CHAT_TITLE_FROM_MESSAGE_CHARS = 60  # a new conversation's title: its first mess
 MAX_CHAT_MESSAGE_CHARS = 4 * 2**20
 MAX_CHAT_MESSAGES = 100_000  # per conversation, in an import
 MAX_CHATS_LISTED = 500  # the newest conversations the side list and `chats list` show
-# A streaming answer is written to the database after this many new tokens or seconds,
-# whichever comes first (each write is a short transaction), and once more when it ends.
-CHAT_SAVE_EVERY_TOKENS = 32
-CHAT_SAVE_EVERY_S = 0.5
+# A streaming answer is saved after this many new tokens or seconds, whichever first, and at its end
+CHAT_SAVE_EVERY_TOKENS, CHAT_SAVE_EVERY_S = 32, 0.5
 CHATS_BUSY_TIMEOUT_S = 10.0  # how long a write waits for another process's transaction
 CHATS_PURGE_AFTER_S = 7 * 24 * 3600  # a deleted conversation can be restored for a week
 
@@ -234,15 +222,14 @@ class SpeculativeConfig(BaseModel):
     @model_validator(mode="after")
     def _consistent(self) -> SpeculativeConfig:
         needs = drafter_spec(self.method).needs
-        if needs == "draft_model" and not self.model:
-            raise ValueError(f"method '{self.method}' needs 'model' (the draft model to load)")
-        if needs == "head" and not self.model:
-            raise ValueError(f"method '{self.method}' needs 'model' (the draft head to load: a "
-                             "folder or a Hugging Face repo id)")
+        if needs != "nothing" and not self.model:
+            what = ("model to load" if needs == "draft_model"
+                    else "head to load: a folder or a Hugging Face repo id")
+            raise ValueError(f"method '{self.method}' needs 'model' (the draft {what})")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError("need prompt_lookup_min <= prompt_lookup_max, got "
                              f"{self.prompt_lookup_min} > {self.prompt_lookup_max}")
-        if needs == "draft_model" and _gguf_on_cpu(self, "auto"):
+        if (needs == "draft_model" or self.method == AUTO) and _gguf_on_cpu(self, "auto"):
             object.__setattr__(self, "quantization", "w4a8")
         return self
 
@@ -270,6 +257,8 @@ class LocalSpecConfig(BaseModel):
     logits_fp32: bool = True  # target's final norm and top logits in float32
     draft_vocab_size: Annotated[int, Field(ge=0)] = 0  # draft LM head cut to N ids (0 = all)
     lookup_first: bool = False  # n-gram lookup first, the draft model or head on a miss
+    # method "auto"'s members (none listed: registry.members_of's; checked by check_members)
+    drafters: Annotated[tuple[Method, ...], Field(strict=False)] = ()
     # CUDA only, experimental: static KV caches of DEFAULT_CONTEXT tokens and every forward of
     # up to 32 tokens (target and draft) replayed as a CUDA graph, compiled once per width
     cuda_graphs: bool = False
@@ -305,10 +294,22 @@ class Preset(BaseModel):
         t = self.target
         return ModelSpec(t.model, dtype=t.dtype, device=t.device, quantization=t.quantization)
 
+    @model_validator(mode="after")
+    def _members(self) -> Preset:
+        sc, listed = self.speculative_config, self.localspec.drafters
+        check_members(sc.method, listed, self.drafter_methods(), sc.model is not None)
+        return self
+
+    def drafter_methods(self, method: str | None = None) -> tuple[str, ...]:
+        """The drafters an engine for ``method`` (default: the preset's) runs (members_of)."""
+        sc, ls = self.speculative_config, self.localspec
+        return members_of(method or sc.method, sc.method, sc.model is not None, ls.drafters,
+                          ls.lookup_first)
+
     def draft_spec(self) -> ModelSpec | None:
         """The draft model to load (None when ``model`` is absent or names a head)."""
         sc = self.speculative_config
-        if sc.model is None or drafter_spec(sc.method).needs == "head":
+        if sc.model is None or "head" in (drafter_spec(m).needs for m in self.drafter_methods()):
             return None
         return ModelSpec(sc.model, dtype=self.localspec.draft_dtype, device=self.target.device,
                          quantization=sc.quantization)
@@ -385,8 +386,7 @@ def parse_preset(data: dict[str, Any], where: str = "preset") -> Preset:
 def request_settings(base: dict[str, Any], overrides: dict[str, Any]) -> RequestSettings:
     """The preset's settings ``base`` with ``overrides`` (None = keep); RequestError if any is
     out of range (NaN, negative, a seed beyond 64 bits, ...)."""
-    values = dict(base)
-    values.update({key: value for key, value in overrides.items() if value is not None})
+    values = {**base, **{key: value for key, value in overrides.items() if value is not None}}
     try:
         return RequestSettings.model_validate(values)
     except ValidationError as exc:

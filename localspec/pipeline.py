@@ -15,7 +15,6 @@ cannot run.
 
 from __future__ import annotations
 
-import importlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -31,15 +30,14 @@ from localspec.config import (
     RequestSettings,
     request_settings,
 )
-from localspec.drafters import ngram
-from localspec.drafters.base import BuildContext, Drafter
-from localspec.drafters.lookup_first import LookupFirstDrafter
+from localspec.drafters.base import Drafter
+from localspec.drafters.multi import MultiDrafter, build_drafter
 from localspec.engine.engine import GenerationRequest, SpeculativeEngine, StepEvent
 from localspec.engine.stats import GenerationStats
 from localspec.errors import PresetError, RequestError
 from localspec.models.cache import Progress
 from localspec.models.loading import LoadedModel, check_same_tokenizer, load_model
-from localspec.registry import DrafterSpec, drafter_spec
+from localspec.registry import AUTO, DrafterSpec, drafter_spec
 from localspec.runtime.runner import ModelRunner
 from localspec.sampling import SamplingParams
 
@@ -48,15 +46,18 @@ def check_method(preset: Preset, method: str) -> None:
     """PresetError unless ``preset`` can run ``method`` (a registered method whose needs the
     preset meets); needs no model, so callers check every method they will run before loading
     anything."""
-    needs = drafter_spec(method).needs
-    if needs == "draft_model" and preset.draft_spec() is None:
-        raise PresetError(f"method '{method}' needs a draft model, and preset "
-                          f"'{preset.name}' names none in [speculative_config] model")
-    sc = preset.speculative_config
-    if needs == "head" and sc.method != method:
-        raise PresetError(f"method '{method}' needs a head made for this target in "
-                          f"[speculative_config] model, and preset '{preset.name}' is set up "
-                          f"for method '{sc.method}': use a preset with method = \"{method}\"")
+    drafter_spec(method)  # a registered method
+    sc, own = preset.speculative_config, preset.drafter_methods()
+    for name in preset.drafter_methods(method):  # "auto": each of its members
+        needs = drafter_spec(name).needs
+        if needs == "draft_model" and preset.draft_spec() is None:
+            raise PresetError(f"method '{name}' needs a draft model, and preset "
+                              f"'{preset.name}' names none in [speculative_config] model")
+        if needs == "head" and name not in own:
+            raise PresetError(f"method '{name}' needs a head made for this target in "
+                              f"[speculative_config] model, and preset '{preset.name}' is set "
+                              f"up for method '{sc.method}': use a preset with method = "
+                              f"\"{name}\"")
 
 
 def request_settings_for(preset: Preset, **overrides: object) -> RequestSettings:
@@ -197,20 +198,18 @@ class Pipeline:
         return self.draft
 
     def _make_drafter(self, spec: DrafterSpec) -> Drafter | None:
-        """The registered method's drafter (None: plain decoding), behind n-gram lookup when
-        the preset asks for lookup first and the method drafts with a model or a head."""
+        """The registered method's drafter (None: plain decoding); with ``lookup_first`` a
+        method that drafts with a model or a head runs with n-gram lookup as an ``auto`` set
+        of the two (``Preset.drafter_methods``)."""
         if spec.build is None:
             return None
         if spec.needs == "draft_model" and self.draft is None:
             raise PresetError(f"method '{spec.name}' needs a draft model, and this pipeline of "
                               f"preset '{self.preset.name}' was loaded without one")
-        module, _, function = spec.build.partition(":")
-        build: Callable[[BuildContext], Drafter] = getattr(importlib.import_module(module),
-                                                           function)
-        drafter = build(self)
-        if self.preset.localspec.lookup_first and spec.needs != "nothing":
-            return LookupFirstDrafter(ngram.build(self), drafter)
-        return drafter
+        methods = self.preset.drafter_methods(spec.name)
+        if len(methods) > 1 and spec.name != AUTO:
+            return MultiDrafter([build_drafter(drafter_spec(name), self) for name in methods])
+        return build_drafter(spec, self)
 
     def engine(self, method: str | None = None) -> SpeculativeEngine:
         """The engine for ``method`` (default: the preset's), sharing the target's runner."""

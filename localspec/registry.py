@@ -125,6 +125,8 @@ def medusa_bytes(t: TargetShape) -> int:
 
 # ----------------------------------------------------------------------------- the registry
 
+AUTO = "auto"  # several drafters, the best chosen each step (drafters/multi.py, engine/choice.py)
+
 DRAFTERS: tuple[DrafterSpec, ...] = (
     DrafterSpec("none", "none (plain decoding)", build=None),
     DrafterSpec("draft_model", "draft model", "localspec.drafters.draft_model:build",
@@ -141,6 +143,7 @@ DRAFTERS: tuple[DrafterSpec, ...] = (
                 builtin_head_note="its Medusa heads read the target's own LM head (the rows in "
                                   "token_map); vLLM's Medusa needs LM heads inside the "
                                   "checkpoint, so vLLM cannot load these heads as they are"),
+    DrafterSpec(AUTO, "Auto: best drafter each step", "localspec.drafters.multi:build"),
 )
 
 
@@ -170,3 +173,45 @@ def methods_needing(needs: Needs) -> tuple[str, ...]:
 def trainable_methods() -> tuple[str, ...]:
     """The methods whose heads ``train-drafter`` trains."""
     return tuple(spec.name for spec in DRAFTERS if spec.trainable)
+
+
+def check_members(method: str, listed: tuple[str, ...], members: tuple[str, ...],
+                  has_model: bool) -> None:
+    """ValueError unless ``members``, of a preset of ``method`` that lists ``listed`` in
+    [localspec] drafters, can be the drafters of one engine: a list only for "auto";
+    registered drafters (not plain decoding, not "auto"), each once, and at most one that
+    needs ``[speculative_config] model`` (a preset names one draft model or head), named."""
+    if listed and method != AUTO:
+        raise ValueError(f"[localspec] drafters lists the members of method '{AUTO}', and "
+                         f"[speculative_config] method is '{method}'")
+    for name in members:
+        if name == AUTO or not drafter_spec(name).speculative:
+            raise ValueError(f"[localspec] drafters: '{name}' is not a drafter; list drafters "
+                             f"such as 'ngram', 'draft_model', 'eagle3'")
+    if len(set(members)) < len(members):
+        raise ValueError(f"[localspec] drafters lists a drafter twice: {list(members)}")
+    needing = [name for name in members if drafter_spec(name).needs != "nothing"]
+    if len(needing) > 1:
+        raise ValueError(f"[localspec] drafters: {' and '.join(needing)} both need "
+                         "[speculative_config] model, and a preset names one draft model or "
+                         "head: keep one of them")
+    if needing and not has_model:
+        raise ValueError(f"[localspec] drafters: '{needing[0]}' needs [speculative_config] "
+                         "model (the draft model or head to load)")
+
+
+def members_of(method: str, preset_method: str, has_model: bool, listed: tuple[str, ...],
+               lookup_first: bool) -> tuple[str, ...]:
+    """The drafters an engine for ``method`` runs in a preset of ``preset_method`` (one chosen
+    each step when several): "auto"'s members are ``listed`` ([localspec] drafters), else n-gram
+    lookup and, when [speculative_config] model names one (``has_model``), the preset's model
+    or head method or else a draft model; a method that needs a model or head runs behind
+    lookup with ``lookup_first``; plain decoding has none."""
+    if method == AUTO:
+        needs = drafter_spec(preset_method).needs
+        own = preset_method if needs != "nothing" else "draft_model"
+        return listed or (("ngram", own) if has_model else ("ngram",))
+    spec = drafter_spec(method)
+    if not spec.speculative:
+        return ()
+    return ("ngram", method) if lookup_first and spec.needs != "nothing" else (method,)

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 from localspec.cli.main import main
 from localspec.drafters.base import Drafter
 from localspec.drafters.draft_model import DraftModelDrafter
-from localspec.drafters.lookup_first import LookupFirstDrafter
+from localspec.drafters.multi import MultiDrafter
 from localspec.drafters.ngram import NgramDrafter
 from localspec.engine.engine import GenerationRequest, SpeculativeEngine, StepEvent
 from localspec.runtime.runner import ModelRunner
@@ -203,8 +203,8 @@ def make_drafter(target_model: PreTrainedModel, random_draft_model: PreTrainedMo
             "close-draft-threshold": lambda: draft_drafter(close_draft_model, threshold=0.3),
             "self-draft": lambda: draft_drafter(target_model),
             "padded-draft": lambda: draft_drafter(padded_draft_model),
-            "lookup-first": lambda: LookupFirstDrafter(NgramDrafter(3, 2),
-                                                       draft_drafter(close_draft_model)),
+            "lookup-first": lambda: MultiDrafter([NgramDrafter(3, 2),
+                                                  draft_drafter(close_draft_model)]),
         }[kind]()
 
     return make

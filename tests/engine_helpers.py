@@ -4,9 +4,11 @@ token. The drafters they run come from conftest (``draft_drafter``, ``make_draft
 
 from __future__ import annotations
 
+import torch
 from conftest import collect, decode
 from transformers import PreTrainedModel
 
+from localspec.drafters.base import Drafter, Proposal
 from localspec.engine.engine import GenerationRequest, SpeculativeEngine
 from localspec.runtime.runner import ModelRunner
 from localspec.sampling import SamplingParams
@@ -33,3 +35,25 @@ def plain_tokens(target_model: PreTrainedModel, prompt: list[int], eos: set[int]
                  max_new_tokens: int = MAX_NEW) -> list[int]:
     engine = SpeculativeEngine(ModelRunner(target_model), None, decode, eos or set())
     return collect(engine, request(prompt, max_new_tokens=max_new_tokens))[0]
+
+
+class Gate(Drafter):
+    """Proposes the answer's own next tokens (``reference``: plain greedy output after the
+    prompt) in blocks of ``block`` generated tokens, and nothing in the blocks between: put
+    first in a set of drafters, it leaves the next one skipped for several steps at a time,
+    then asked."""
+
+    name = "gate"
+
+    def __init__(self, reference: list[int], prompt_length: int, block: int = 6) -> None:
+        self.reference, self.prompt_length, self.block = reference, prompt_length, block
+
+    def reset(self) -> None:
+        """Stateless: the context says where the answer is."""
+
+    def propose(self, context: list[int], k: int, params: SamplingParams,
+                generator: torch.Generator) -> Proposal:
+        done = len(context) - self.prompt_length
+        if (done // self.block) % 2:
+            return Proposal([])
+        return Proposal(self.reference[done : done + k])

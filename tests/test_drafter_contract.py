@@ -11,8 +11,8 @@ from conftest import collect, decode
 from localspec.drafters.base import Drafter, Proposal
 from localspec.drafters.draft_model import DraftModelDrafter
 from localspec.drafters.eagle import EagleDrafter
-from localspec.drafters.lookup_first import LookupFirstDrafter
 from localspec.drafters.medusa import MedusaDrafter
+from localspec.drafters.multi import MultiDrafter
 from localspec.drafters.ngram import NgramDrafter
 from localspec.drafters.simulated import SimulatedDrafter
 from localspec.engine.engine import GenerationRequest, SpeculativeEngine
@@ -73,18 +73,18 @@ def test_sure_defaults_to_no_evidence() -> None:
 
 
 @pytest.mark.parametrize("cls", [DraftModelDrafter, NgramDrafter, EagleDrafter, MedusaDrafter,
-                                 LookupFirstDrafter, SimulatedDrafter])
+                                 MultiDrafter, SimulatedDrafter])
 def test_every_drafter_subclasses_the_contract(cls: type) -> None:
     assert issubclass(cls, Drafter)
 
 
 def test_only_lookup_overrides_sure() -> None:
-    """N-gram lookup (and lookup-first, through it) has evidence for free; the model drafters
-    inherit the default."""
+    """N-gram lookup (and a set of drafters, through its members) has evidence for free; the
+    model drafters inherit the default."""
     overriding = {cls.__name__ for cls in (DraftModelDrafter, NgramDrafter, EagleDrafter,
-                                           MedusaDrafter, LookupFirstDrafter, SimulatedDrafter)
+                                           MedusaDrafter, MultiDrafter, SimulatedDrafter)
                   if cls.sure is not Drafter.sure}
-    assert overriding == {"NgramDrafter", "LookupFirstDrafter"}
+    assert overriding == {"NgramDrafter", "MultiDrafter"}
 
 
 def test_a_drafter_must_propose_and_reset() -> None:

@@ -8,12 +8,14 @@ repeats. Loading the published layouts is ``test_head_layouts``."""
 from __future__ import annotations
 
 import copy
+import itertools
 import random
 from collections.abc import Callable
 
 import pytest
 import torch
 from conftest import collect, decode
+from engine_helpers import Gate
 from head_models import VOCAB, clock_target, llama_target, unit_embeddings
 from tolerance import assert_within, forward_atol, matmul_bound, sum_to_one_atol
 from torch.nn import functional as F
@@ -23,6 +25,7 @@ from localspec.drafters.base import Drafter, Proposal
 from localspec.drafters.eagle import EagleDrafter, eagle3_layers
 from localspec.drafters.eagle_head import EagleHead, EagleSpec, HeadCache
 from localspec.drafters.medusa import MedusaDrafter, MedusaHeads
+from localspec.drafters.multi import MultiDrafter
 from localspec.engine.engine import GenerationRequest, SpeculativeEngine
 from localspec.runtime.decoder import CpuDecoder
 from localspec.runtime.runner import ModelRunner
@@ -292,3 +295,33 @@ def test_seeded_sampling_completes_and_repeats(method: str) -> None:
             outside = torch.ones(VOCAB, dtype=torch.bool)
             outside[list(allowed)] = False
             assert float(proposal.q_draft[:, outside].sum()) == 0.0
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_head_skipped_by_another_drafter_catches_up(method: str) -> None:
+    """In a set of drafters behind one that drafts blocks of 6 tokens, the head is skipped
+    for several steps at a time: each time it is asked again its proposal equals the
+    from-scratch reference (features of tokens it did not draft come from the verify passes),
+    and the output is plain decoding's."""
+    model = llama_target()
+    prompt = PROMPTS[1]
+    plain = collect(SpeculativeEngine(ModelRunner(model), None, decode, set()),
+                    request(prompt, max_new_tokens=40))[0]
+    runner = ModelRunner(model)
+    head = random_head(method, model)
+    asked: list[int] = []
+
+    class Checked(Recording):
+        def propose(self, context: list[int], k: int, params: SamplingParams,
+                    generator: torch.Generator) -> Proposal:
+            proposal = super().propose(context, k, params, generator)
+            assert proposal.tokens == reference_proposal(method, head, model, context, k)
+            asked.append(len(context))
+            return proposal
+
+    drafter = MultiDrafter([Gate(plain, len(prompt)), Checked(drafter_for(method, head, runner))])
+    tokens, events = collect(SpeculativeEngine(runner, drafter, decode, set()),
+                             request(prompt, max_new_tokens=40))
+    assert tokens == plain
+    assert {e.drafter for e in events if e.drafted} == {"gate", method}
+    assert max(b - a for a, b in itertools.pairwise(asked)) > 4

@@ -19,7 +19,7 @@ from transformers import PreTrainedModel
 
 from localspec.drafters.base import Drafter
 from localspec.drafters.draft_model import DraftModelDrafter
-from localspec.drafters.lookup_first import LookupFirstDrafter
+from localspec.drafters.multi import MultiDrafter
 from localspec.drafters.ngram import NgramDrafter
 from localspec.engine.engine import SpeculativeEngine
 from localspec.runtime.runner import ModelRunner
@@ -92,15 +92,16 @@ def test_drafters_exercise_accept_and_reject(target_runner: ModelRunner,
 def test_lookup_first_prefers_lookup(close_draft_model: PreTrainedModel) -> None:
     """A lookup hit is proposed as is (one-hot, no model pass); a miss asks the draft model."""
     model = draft_drafter(close_draft_model)
-    drafter = LookupFirstDrafter(NgramDrafter(3, 2), model)
-    assert drafter.name == model.name
+    drafter = MultiDrafter([NgramDrafter(3, 2), model])
+    assert drafter.name == "auto"
     generator = torch.Generator().manual_seed(0)
     hit = drafter.propose(PROMPTS["repetitive"], 3, HOT, generator)
-    assert hit.tokens == [12, 13, 14] and hit.q_draft is None
+    assert hit.tokens == [12, 13, 14] and hit.q_draft is None and hit.drafter == "ngram"
     assert drafter.sure(PROMPTS["repetitive"]) and not drafter.sure(PROMPTS["random-a"])
     assert model.runner.length == 0  # the draft model was not run
     miss = drafter.propose(PROMPTS["random-a"], 3, HOT, generator)
     assert len(miss.tokens) == 3 and miss.q_draft is not None
+    assert miss.drafter == "draft_model"
     assert model.runner.length > 0
     drafter.reset()
     assert model.runner.length == 0
@@ -163,7 +164,7 @@ def test_cache_rollback_invariants(kind: str, target_runner: ModelRunner,
         assert target_runner.cache.get_seq_length() == target_runner.length
         if event.finish_reason is None:
             assert target_runner.length == len(prompt) + generated - 1
-        model = drafter.model if isinstance(drafter, LookupFirstDrafter) else drafter
+        model = drafter.members[-1] if isinstance(drafter, MultiDrafter) else drafter
         if isinstance(model, DraftModelDrafter):
             assert model.runner.length == len(model._seen)
             assert model.runner.cache.get_seq_length() == model.runner.length

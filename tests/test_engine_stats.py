@@ -16,6 +16,7 @@ from transformers import PreTrainedModel
 import localspec.engine.engine as engine_module
 from localspec.drafters.ngram import NgramDrafter
 from localspec.drafters.simulated import SimulatedDrafter
+from localspec.engine.choice import Attempt
 from localspec.engine.engine import SpeculativeEngine, StepEvent
 from localspec.engine.stats import GenerationStats
 from localspec.runtime.runner import ModelRunner
@@ -23,23 +24,23 @@ from localspec.runtime.runner import ModelRunner
 
 def test_lookups_evidence_reaches_adaptive_k(target_runner: ModelRunner,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each step the engine asks adaptive k with the drafter's ``sure``: true on a prompt whose
-    last n-gram occurred before, never for a drafter without lookup (plain decoding here)."""
-    seen: list[bool] = []
+    """Each step the engine asks adaptive k with each drafter's ``sure``: true on a prompt whose
+    last n-gram occurred before; plain decoding has no drafter to ask."""
+    seen: list[list[bool]] = []
 
-    class Recording(engine_module.AdaptiveK):
-        def choose(self, sure: bool = False) -> int:
-            seen.append(sure)
-            return super().choose(sure)
+    class Recording(engine_module.DrafterChoice):
+        def order(self, sure: list[bool]) -> list[Attempt]:
+            seen.append(list(sure))
+            return super().order(sure)
 
-    monkeypatch.setattr(engine_module, "AdaptiveK", Recording)
+    monkeypatch.setattr(engine_module, "DrafterChoice", Recording)
     lookup = SpeculativeEngine(target_runner, NgramDrafter(3, 1), decode, set())
     collect(lookup, request(PROMPTS["repetitive"], adaptive=True))
-    assert seen[0] is True
+    assert seen[0] == [True]
     seen.clear()
     collect(SpeculativeEngine(target_runner, None, decode, set()),
             request(PROMPTS["repetitive"]))
-    assert seen and not any(seen)
+    assert seen and all(sure == [] for sure in seen)
 
 
 def test_stats_folded_from_events(target_runner: ModelRunner,

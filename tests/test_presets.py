@@ -83,7 +83,7 @@ def test_shipped_preset_loads(name: str) -> None:
     assert preset.name and preset.description
     assert preset.target_spec().model == preset.target.model
     sc = preset.speculative_config
-    if sc.method == "draft_model":
+    if "draft_model" in preset.drafter_methods():  # "auto" sets too
         draft = preset.draft_spec()
         assert draft is not None and draft.model == sc.model
         assert draft.device == preset.target.device
@@ -151,7 +151,7 @@ def test_integer_accepted_for_float(tmp_path: Path) -> None:
          ["[sampling] temperature = 'hot'", "valid number"]),
         (full(method="lookahead"),
          ["method = 'lookahead' is not one of",
-          "'none', 'draft_model', 'ngram', 'eagle3', 'eagle' or 'medusa'"]),
+          "'none', 'draft_model', 'ngram', 'eagle3', 'eagle', 'medusa' or 'auto'"]),
         (full(method="eagle3", model=None), ["method 'eagle3' needs 'model' (the draft head"]),
         (full(model=None), ["method 'draft_model' needs 'model'"]),
         (full(k=0), ["num_speculative_tokens = 0", "greater than or equal to 1"]),

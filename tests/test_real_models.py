@@ -18,7 +18,7 @@ from localspec.cli import check
 from localspec.cli.bench import load_prompts
 from localspec.cli.check import P_VALUE_THRESHOLD, check_greedy, check_sampling
 from localspec.config import ModelSpec
-from localspec.drafters.lookup_first import LookupFirstDrafter
+from localspec.drafters.multi import MultiDrafter
 from localspec.engine.engine import GenerationError
 from localspec.models.builtin import BUILTIN_MODELS
 from localspec.models.cache import _source_files, kernel_dir
@@ -80,9 +80,9 @@ def test_real_draft_is_accepted_often(qwen_pair: Pipeline) -> None:
     # nothing about how often the draft is right (a busy CI run once drafted 11 tokens in 42
     # passes); and the draft model alone, without the preset's n-gram lookup in front of it
     drafter = qwen_pair.engine("draft_model").drafter
-    assert isinstance(drafter, LookupFirstDrafter)  # the default preset's choice
+    assert isinstance(drafter, MultiDrafter)  # the default preset's choice
     result = qwen_pair.run(qwen_pair.request(ids, max_new_tokens=48, adaptive=False),
-                           engine=qwen_pair.engine_with(drafter.model))
+                           engine=qwen_pair.engine_with(drafter.members[-1]))
     assert result.stats.acceptance_rate > 0.5
     assert result.stats.mean_accepted_length > 2.0
 
@@ -97,12 +97,12 @@ def test_builtin_head_is_lossless_and_accepted(qwen_pair: Pipeline, preset: str,
     pipe = Pipeline.load(load_preset(preset), previous=qwen_pair)
     assert pipe.target is qwen_pair.target and pipe.draft is None
     drafter = pipe.engine(method).drafter
-    assert isinstance(drafter, LookupFirstDrafter)  # the preset's choice
+    assert isinstance(drafter, MultiDrafter)  # the preset's choice
     ids = pipe.encode_prompt("Write a Python function that returns the factorial of n.")
     plain = pipe.run(pipe.request(ids, max_new_tokens=48), "none")
     # the head alone, at a fixed k (see test_real_draft_is_accepted_often)
     result = pipe.run(pipe.request(ids, max_new_tokens=48, adaptive=False),
-                      engine=pipe.engine_with(drafter.model))
+                      engine=pipe.engine_with(drafter.members[-1]))
     assert result.token_ids == plain.token_ids
     assert result.stats.mean_accepted_length > least
 

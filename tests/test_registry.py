@@ -27,7 +27,8 @@ from localspec.cli.check import greedy_methods
 from localspec.cli.export import export_vllm
 from localspec.config import Preset, parse_preset
 from localspec.drafters.base import BuildContext, Drafter, Proposal
-from localspec.drafters.lookup_first import LookupFirstDrafter
+from localspec.drafters.multi import MultiDrafter
+from localspec.drafters.ngram import NgramDrafter
 from localspec.errors import PresetError
 from localspec.models.hardware import architecture, estimate_preset, weight_bytes
 from localspec.pipeline import Pipeline, check_method
@@ -100,11 +101,12 @@ def head_preset(folders: dict[str, Path], method: str = "toy-head") -> dict:
 
 def test_the_shipped_methods_and_their_labels() -> None:
     """The app's method switch offers what it always has, under the same labels."""
-    assert method_names() == ("none", "draft_model", "ngram", "eagle3", "eagle", "medusa")
+    assert method_names() == ("none", "draft_model", "ngram", "eagle3", "eagle", "medusa", "auto")
     assert method_choices() == [
         ("preset's method", "preset"), ("none (plain decoding)", "none"),
         ("draft model", "draft_model"), ("n-gram lookup", "ngram"), ("EAGLE-3 head", "eagle3"),
-        ("EAGLE head", "eagle"), ("Medusa heads", "medusa")]
+        ("EAGLE head", "eagle"), ("Medusa heads", "medusa"),
+        ("Auto: best drafter each step", "auto")]
     assert methods_needing("head") == registry.trainable_methods() == ("eagle3", "eagle", "medusa")
     assert methods_needing("draft_model") == ("draft_model",)
     assert [spec.name for spec in registry.drafters() if not spec.speculative] == ["none"]
@@ -205,10 +207,11 @@ def test_a_registered_drafter_runs_with_the_plain_greedy_output(
     assert len(plain.token_ids) == 24
     assert toy.token_ids == plain.token_ids and toy.text == plain.text
     assert toy.stats.accepted > 0 and toy.stats.target_forward_passes < 24
-    assert greedy_methods(pipe) == ["draft_model", "ngram", "recompute"]
+    assert greedy_methods(pipe) == ["draft_model", "ngram", "auto", "recompute"]
     lookup = Pipeline(toy_preset(tmp_path, tiny_folders, lookup_first=True), pipe.target,
                       pipe.draft).engine("recompute").drafter
-    assert isinstance(lookup, LookupFirstDrafter) and isinstance(lookup.model, RecomputeDrafter)
+    assert isinstance(lookup, MultiDrafter)
+    assert [type(member) for member in lookup.members] == [NgramDrafter, RecomputeDrafter]
 
 
 @pytest.mark.usefixtures("toy")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any
 
@@ -36,7 +36,7 @@ from localspec.config import CPU_QUANTIZATIONS, Preset, unquantized_target
 from localspec.drafters.simulated import SimulatedDrafter
 from localspec.errors import ConfigError, PresetError
 from localspec.pipeline import Pipeline, check_method
-from localspec.registry import method_names, methods_needing
+from localspec.registry import AUTO, drafter_spec, method_names, methods_needing
 
 __all__ = ["DEFAULT_HF_METHODS", "HF_METHODS", "SIMULATED", "check_methods", "default_methods",
            "first_difference", "format_table", "hf_pipeline", "load_prompts", "needs_draft",
@@ -82,17 +82,24 @@ def simulated_acceptance(method: str) -> float | None:
     return acceptance if 0.0 <= acceptance <= 1.0 else None
 
 
-def needs_draft(method: str) -> bool:
-    """Whether ``method`` (ours, hf-* or simulated) runs the preset's draft model."""
-    return (method in methods_needing("draft_model") or method == "hf-assisted"
+def needs_draft(method: str, preset: Preset | None = None) -> bool:
+    """Whether ``method`` (ours, hf-* or simulated) runs the preset's draft model (an "auto"
+    set: when ``preset`` gives it one)."""
+    member = (preset is not None and method in method_names()
+              and any(drafter_spec(name).needs == "draft_model"
+                      for name in preset.drafter_methods(method)))
+    return (method in methods_needing("draft_model") or method == "hf-assisted" or member
             or simulated_acceptance(method) is not None)
 
 
 def default_methods(preset: Preset) -> list[str]:
-    """Every registered method ``preset`` can run, then DEFAULT_HF_METHODS less one needing a
-    draft model the preset does not name."""
+    """Every registered method ``preset`` can run ("auto" when it has several members: one is
+    its only member run again), then DEFAULT_HF_METHODS less one needing a draft model the
+    preset does not name."""
     ours = []
     for method in method_names():
+        if method == AUTO and len(preset.drafter_methods(AUTO)) < 2:
+            continue
         try:
             check_method(preset, method)
         except PresetError:
@@ -187,7 +194,7 @@ def _run_ours(pipe: Pipeline, method: str, prompt_ids: list[int], max_new: int,
     return {"token_ids": result.token_ids, "text": result.text,
             "tokens_per_second": s.tokens_per_second, "wall_time_s": s.wall_time,
             "acceptance_rate": s.acceptance_rate, "mean_accepted_length": s.mean_accepted_length,
-            "target_forward_passes": s.target_forward_passes}
+            "target_forward_passes": s.target_forward_passes, "drafters": s.drafters()}
 
 
 def _run_one(pipe: Pipeline, hf_pipe: Pipeline | None, method: str, prompt_ids: list[int],
@@ -273,6 +280,7 @@ def summarise(prompts: list[dict[str, Any]], methods: list[str],
                 "new_tokens": len(rs[0]["token_ids"]),
                 "identical_to_none": first_diff is None,
                 "first_difference_at": first_diff,
+                "drafters": rs[0].get("drafters", {}),
             }
         per_prompt.append(detail)
     summary: dict[str, Any] = {}
@@ -288,8 +296,22 @@ def summarise(prompts: list[dict[str, Any]], methods: list[str],
             "acceptance_rate": statistics.mean(acc) if acc else None,
             "mean_accepted_length": statistics.mean(r["mean_accepted_length"] for r in rows),
             "identical_to_none": all(r["identical_to_none"] for r in rows),
+            "drafters": _drafter_totals(r["drafters"] for r in rows),
         }
     return {"methods": summary, "prompts": per_prompt}
+
+
+def _drafter_totals(runs: Iterable[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Steps, drafted and accepted tokens per drafter over ``runs``, with the acceptance."""
+    totals: dict[str, dict[str, Any]] = {}
+    for run in runs:
+        for name, counts in run.items():
+            total = totals.setdefault(name, {"steps": 0, "drafted": 0, "accepted": 0})
+            for key in total:
+                total[key] += counts[key]
+    for total in totals.values():
+        total["acceptance_rate"] = total["accepted"] / total["drafted"] if total["drafted"] else 0.0
+    return totals
 
 
 def _fmt(value: float | None, spec: str) -> str:

@@ -30,7 +30,7 @@ from localspec.cli.prompts import encode_prompts
 from localspec.engine.verify import verify_sampling
 from localspec.errors import PresetError
 from localspec.pipeline import Pipeline, check_method
-from localspec.registry import drafters
+from localspec.registry import drafter_spec, drafters
 from localspec.runtime.runner import ModelRunner
 from localspec.sampling import SamplingParams, logits_to_probs, sample
 
@@ -183,7 +183,9 @@ def greedy_methods(pipe: Pipeline) -> list[str]:
     loaded."""
     methods = []
     for spec in drafters():
-        if not spec.speculative or (spec.needs == "draft_model" and pipe.draft is None):
+        members = pipe.preset.drafter_methods(spec.name) if spec.speculative else ()
+        needs = [drafter_spec(name).needs for name in members]
+        if not members or (pipe.draft is None and "draft_model" in needs):
             continue
         try:
             check_method(pipe.preset, spec.name)

@@ -69,7 +69,9 @@ def run_generate(args: argparse.Namespace) -> int:
     """Validate, load, generate ``--num-samples`` samples; print text (streamed for one
     sample) or one JSON object; a summary line on stderr."""
     plan = plan_generate(args)
-    pipe = load_pipeline(plan.preset, need_draft=drafter_spec(plan.method).needs == "draft_model")
+    members = plan.preset.drafter_methods(plan.method)
+    needs = [drafter_spec(name).needs for name in members]
+    pipe = load_pipeline(plan.preset, need_draft="draft_model" in needs)
     prompt_ids = pipe.encode_prompt(args.prompt, raw=args.raw)
     streaming = not args.json and len(plan.seeds) == 1
     samples = []
@@ -89,5 +91,14 @@ def run_generate(args: argparse.Namespace) -> int:
     d = stats.as_dict()
     print(f"\n[{plan.method}] {d['new_tokens']} tokens, {d['tokens_per_second']:.2f} tok/s, "
           f"acceptance {d['acceptance_rate']:.0%}, {d['mean_accepted_length']:.2f} tokens "
-          f"per target pass", file=sys.stderr)
+          f"per target pass{_by_drafter(stats)}", file=sys.stderr)
     return 0
+
+
+def _by_drafter(stats: GenerationStats) -> str:
+    """", by drafter: ngram 40/52, draft_model 10/30" (accepted/drafted) when several drafted."""
+    counts = stats.drafters()
+    if len(counts) < 2:
+        return ""
+    return ", by drafter: " + ", ".join(f"{name} {c['accepted']}/{c['drafted']}"
+                                        for name, c in counts.items())

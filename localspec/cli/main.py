@@ -116,7 +116,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     request_settings_for(preset, max_new_tokens=args.max_new_tokens, temperature=0.0)
     prompts = load_prompts(args.prompts)
     load = functools.partial(load_pipeline, preset,
-                             need_draft=any(needs_draft(m) for m in methods))
+                             need_draft=any(needs_draft(m, preset) for m in methods))
     pipe = run_alone(load) if args.api else load()  # bench_api says why
     with contextlib.ExitStack() as stack:
         via_api = stack.enter_context(api_runner(pipe, args.preset)) if args.api else None

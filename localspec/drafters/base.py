@@ -41,6 +41,7 @@ class Proposal:
     # Seconds spent catching up with the context (a prompt's prefill, tokens generated while
     # drafting was off): paid once, not per draft, so adaptive k leaves it out of c_draft.
     sync_time: float = 0.0
+    drafter: str | None = None  # which member of several drafted it (None: the drafter itself)
 
 
 class DraftChain:

@@ -56,6 +56,43 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 
 @dataclass
+class VerifyLine:
+    """c_verify(n) = a + b * n: a target pass over n tokens, by least squares with forgetting,
+    robust to stalls (see the module docstring). One per engine: every drafter of an ``auto``
+    set verifies through the same target."""
+
+    decay: float = 0.9
+    _w: float = field(default=0.0, init=False)
+    _sn: float = field(default=0.0, init=False)
+    _st: float = field(default=0.0, init=False)
+    _snn: float = field(default=0.0, init=False)
+    _snt: float = field(default=0.0, init=False)
+
+    def cost(self, n_tokens: int) -> float | None:
+        """Estimated seconds of a target pass over ``n_tokens``; None before any is measured."""
+        if self._w <= 0:
+            return None
+        mean_n, mean_t = self._sn / self._w, self._st / self._w
+        var_n = self._snn / self._w - mean_n**2
+        slope = 0.0 if var_n < 1e-9 else max(0.0, (self._snt / self._w - mean_n * mean_t) / var_n)
+        return max(1e-6, mean_t + slope * (n_tokens - mean_n))
+
+    def update(self, n: int, verify_time: float) -> None:
+        """Record a target pass over ``n`` tokens that took ``verify_time`` seconds."""
+        d = self.decay
+        predicted = self.cost(n)
+        if predicted is not None and verify_time < 0.5 * predicted:
+            self._w = self._sn = self._st = self._snn = self._snt = 0.0
+        elif predicted is not None:
+            verify_time = min(verify_time, STALL_FACTOR * predicted)
+        self._w = d * self._w + 1.0
+        self._sn = d * self._sn + n
+        self._st = d * self._st + verify_time
+        self._snn = d * self._snn + n * n
+        self._snt = d * self._snt + n * verify_time
+
+
+@dataclass
 class AdaptiveK:
     """Online estimates of acceptance and costs; ``choose()`` returns the next k."""
 
@@ -70,13 +107,9 @@ class AdaptiveK:
     _passed: list[float] = field(default_factory=list, init=False)  # position j was accepted
     _draft_time: float = field(default=0.0, init=False)
     _draft_count: float = field(default=0.0, init=False)
-    # weighted sums for verify_time = a + b * n
-    _w: float = field(default=0.0, init=False)
-    _sn: float = field(default=0.0, init=False)
-    _st: float = field(default=0.0, init=False)
-    _snn: float = field(default=0.0, init=False)
-    _snt: float = field(default=0.0, init=False)
-    # plain steps (k = 0) before the next probe, and how many have run
+    # c_verify: one line for every drafter of an engine (the target's cost, not a drafter's)
+    verify: VerifyLine = field(default_factory=VerifyLine)
+    # steps off (k = 0) before the next probe, and how many have run
     _probe_interval: int = field(default=FIRST_PROBE_INTERVAL, init=False)
     _plain_steps: int = field(default=0, init=False)
     # plain steps a sure probe waits for (doubles while sure probes miss), and whether the
@@ -108,87 +141,98 @@ class AdaptiveK:
         return self._draft_time / self._draft_count if self._draft_count > 0 else None
 
     def verify_cost(self, n_tokens: int) -> float | None:
-        if self._w <= 0:
-            return None
-        mean_n, mean_t = self._sn / self._w, self._st / self._w
-        var_n = self._snn / self._w - mean_n**2
-        slope = 0.0 if var_n < 1e-9 else max(0.0, (self._snt / self._w - mean_n * mean_t) / var_n)
-        return max(1e-6, mean_t + slope * (n_tokens - mean_n))
+        return self.verify.cost(n_tokens)
 
     def update(self, drafted: int, accepted: int, draft_time: float, verify_time: float) -> None:
         """Record one step: how many were drafted and kept, and what it cost."""
+        self.record_draft(drafted, accepted, draft_time)
+        self.verify.update(drafted + 1, verify_time)
+
+    def record_draft(self, drafted: int, accepted: int, draft_time: float) -> None:
+        """Record this drafter's part of a step it was asked to draft (``drafted`` = 0: it
+        proposed nothing); the verify pass goes to ``verify`` apart."""
         d = self.decay
         if self._sure_probe:
             self._sure_probe = False
             self._sure_gap = 0 if accepted else min(max(1, 2 * self._sure_gap),
                                                     MAX_PROBE_INTERVAL)
-        if drafted > 0:
-            self._accepted = d * self._accepted + accepted
-            self._rejections = d * self._rejections + (1.0 if accepted < drafted else 0.0)
-            tested = min(drafted, accepted + 1)  # positions 0..accepted were looked at
-            width = max(drafted, len(self._tested))
-            self._tested = [d * x for x in self._tested] + [0.0] * (width - len(self._tested))
-            self._passed = [d * x for x in self._passed] + [0.0] * (width - len(self._passed))
-            for j in range(tested):
-                self._tested[j] += 1.0
-                self._passed[j] += float(j < accepted)
-            per_token, estimate = draft_time / drafted, self.draft_cost()
-            if estimate is not None and per_token < 0.5 * estimate:
-                self._draft_time = self._draft_count = 0.0  # the history was stalled
-            elif estimate is not None:
-                draft_time = drafted * min(per_token, STALL_FACTOR * estimate)
-            self._draft_time = d * self._draft_time + draft_time
-            self._draft_count = d * self._draft_count + drafted
-        n = drafted + 1
-        predicted = self.verify_cost(n)
-        if predicted is not None and verify_time < 0.5 * predicted:
-            self._w = self._sn = self._st = self._snn = self._snt = 0.0
-        elif predicted is not None:
-            verify_time = min(verify_time, STALL_FACTOR * predicted)
-        self._w = d * self._w + 1.0
-        self._sn = d * self._sn + n
-        self._st = d * self._st + verify_time
-        self._snn = d * self._snn + n * n
-        self._snt = d * self._snt + n * verify_time
+        if drafted <= 0:
+            return
+        self._accepted = d * self._accepted + accepted
+        self._rejections = d * self._rejections + (1.0 if accepted < drafted else 0.0)
+        tested = min(drafted, accepted + 1)  # positions 0..accepted were looked at
+        width = max(drafted, len(self._tested))
+        self._tested = [d * x for x in self._tested] + [0.0] * (width - len(self._tested))
+        self._passed = [d * x for x in self._passed] + [0.0] * (width - len(self._passed))
+        for j in range(tested):
+            self._tested[j] += 1.0
+            self._passed[j] += float(j < accepted)
+        per_token, estimate = draft_time / drafted, self.draft_cost()
+        if estimate is not None and per_token < 0.5 * estimate:
+            self._draft_time = self._draft_count = 0.0  # the history was stalled
+        elif estimate is not None:
+            draft_time = drafted * min(per_token, STALL_FACTOR * estimate)
+        self._draft_time = d * self._draft_time + draft_time
+        self._draft_count = d * self._draft_count + drafted
 
     def choose(self, sure: bool = False) -> int:
         """The next k. ``sure``: the drafter has strong evidence for its next guess (n-gram
         lookup matched its longest n-gram), so a probe need not wait out the interval."""
         if not self.enabled or self.k_max == 0:
             return self.k_max
+        best_k, _ = self.plan()
+        if best_k > 0:
+            self.paid()
+            return best_k
+        if self.probe_due(sure):
+            self.start_probe(sure)
+            return self.probe_k()
+        self.rest()
+        return 0
+
+    def plan(self) -> tuple[int, float]:
+        """(k, expected tokens per second) of the best draft, without changing any state;
+        k = 0 when no draft beats plain decoding by DRAFT_MARGIN. Before this drafter's cost or
+        a verify pass is measured: a moderate first draft (the first tokens of a reply are the
+        least predictable; 12 wrong guesses of a draft model cost ~0.5 s here) at an infinite
+        rate, so an unmeasured drafter is tried."""
         c_draft, c_verify_1 = self.draft_cost(), self.verify_cost(1)
         if c_draft is None or c_verify_1 is None:
-            # nothing measured yet: a moderate first draft (the first tokens of a reply are
-            # the least predictable; 12 wrong guesses of a draft model cost ~0.5 s here)
-            return min(self.k_max, FIRST_K)
+            return min(self.k_max, FIRST_K), float("inf")
         best_k, best_rate = 0, (1.0 + DRAFT_MARGIN) / c_verify_1
         for k in range(1, self.k_max + 1):
             cost = k * c_draft + (self.verify_cost(k + 1) or c_verify_1)
             rate = self.expected_tokens(k) / cost
             if rate > best_rate * 1.0001:
                 best_k, best_rate = k, rate
-        if best_k > 0:
-            self._probe_interval, self._plain_steps = FIRST_PROBE_INTERVAL, 0
-            return best_k
-        return self._plain_or_probe(sure)
+        return best_k, best_rate
 
-    def _plain_or_probe(self, sure: bool) -> int:
-        """k = 0, except one draft after every ``_probe_interval`` plain steps; the interval
-        doubles while probes keep failing (a success resets it through ``choose``). A sure
-        guess is probed after ``_sure_gap`` plain steps, at once until one misses; each miss
-        doubles that gap, so guesses that only look sure cost a few probes, not every step."""
+    def paid(self) -> None:
+        """Drafting pays again: the probe interval starts over."""
+        self._probe_interval, self._plain_steps = FIRST_PROBE_INTERVAL, 0
+
+    def rest(self) -> None:
+        """A step this drafter did not draft counts towards its next probe."""
+        self._plain_steps += 1
+
+    def probe_due(self, sure: bool) -> bool:
+        """Whether this drafter's next probe is due: after ``_probe_interval`` steps off; a sure
+        guess after ``_sure_gap`` steps, at once until one misses."""
+        if sure and self._plain_steps >= self._sure_gap:
+            return True
+        return self._plain_steps >= self._probe_interval
+
+    def start_probe(self, sure: bool) -> None:
+        """A probe is under way. The interval doubles while probes keep failing (a success
+        resets it through ``paid``); each sure probe that misses doubles the sure gap (in
+        ``record_draft``), so guesses that only look sure cost a few probes, not every step."""
         if sure and self._plain_steps >= self._sure_gap:
             self._sure_probe = True
-            self._plain_steps = 0
-            return self._probe_k()
-        if self._plain_steps < self._probe_interval:
-            self._plain_steps += 1
-            return 0
+        else:
+            self._probe_interval = min(2 * self._probe_interval, MAX_PROBE_INTERVAL)
         self._plain_steps = 0
-        self._probe_interval = min(2 * self._probe_interval, MAX_PROBE_INTERVAL)
-        return self._probe_k()
 
-    def _probe_k(self) -> int:
+    def probe_k(self) -> int:
         """As many drafts as add at most half a plain step's cost, drafting and the wider verify
         pass together, and at most FIRST_K: one token of a draft model that costs a sizeable
         part of the target; for lookup, which costs next to nothing, what the verify pass

@@ -14,14 +14,15 @@ apply chat templates, load models or render anything.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from localspec.config import MAX_SPECULATIVE_TOKENS
 from localspec.drafters.base import Drafter, Proposal
-from localspec.engine.adaptive import AdaptiveK
+from localspec.drafters.multi import MultiDrafter
+from localspec.engine.choice import DrafterChoice
 from localspec.engine.verify import Verdict, verify_greedy, verify_sampling
 from localspec.errors import LocalSpecError
 from localspec.runtime.runner import ModelRunner
@@ -66,6 +67,7 @@ class StepEvent:
     draft_time: float
     verify_time: float
     finish_reason: str | None = None  # "eos" | "stop" | "length" | "cancelled" | None
+    drafter: str | None = None  # the drafter of ``drafted`` (a member's name); None: no drafts
 
     @property
     def rejected(self) -> tuple[int, ...]:
@@ -165,8 +167,6 @@ class SpeculativeEngine:
         params = request.sampling
         # Every draw on the target's device: a CPU generator cannot drive CUDA multinomials.
         generator = torch.Generator(device=self.target.device).manual_seed(request.seed)
-        k_max = request.num_speculative_tokens if self.drafter is not None else 0
-        controller = AdaptiveK(k_max=k_max, enabled=request.adaptive)
         stream = _TextStream(self.decode, request.stop_strings)
 
         self.target.reset()
@@ -175,6 +175,8 @@ class SpeculativeEngine:
         self.target.record_features(None)
         if self.drafter is not None:
             self.drafter.reset()
+        members = self.members()
+        choice = DrafterChoice(len(members), request.num_speculative_tokens, request.adaptive)
         context = list(request.prompt_ids)
         if len(context) > 1:
             self.target.forward(context[:-1], logits_to_keep=1)
@@ -185,25 +187,17 @@ class SpeculativeEngine:
             if cancelled():
                 yield self._final_event(step, stream, "cancelled")
                 return
-            # A drafter that knows for free its next guess is well founded (n-gram lookup: a
-            # long match) says so; adaptive k probes such a guess while drafting is off.
-            sure = self.drafter is not None and self.drafter.sure(context)
-            k = min(controller.choose(sure), max_new - generated)
             t0 = time.perf_counter()
-            proposal = (
-                self.drafter.propose(context, k, params, generator)
-                if self.drafter is not None and k > 0
-                else Proposal([])
-            )
+            k, used, proposal, draft_times = self._draft(members, choice, context,
+                                                         max_new - generated, params, generator)
             t1 = time.perf_counter()
-            drafts = proposal.tokens[:k]
+            drafts = proposal.tokens
             logits = self.target.forward([context[-1], *drafts])  # [len(drafts) + 1, vocab]
             verdict, p_rows = self._verify(logits, proposal, drafts, params, generator)
             t2 = time.perf_counter()
             # Keep the pending token and the accepted drafts; the target's token becomes pending.
             self.target.crop(len(context) + verdict.num_accepted)
-            controller.update(len(drafts), verdict.num_accepted, t1 - t0 - proposal.sync_time,
-                              t2 - t1)
+            choice.record(used, len(drafts), verdict.num_accepted, draft_times, t2 - t1)
 
             new_tokens = [*drafts[: verdict.num_accepted], verdict.token]
             kept, finish = self._cut(new_tokens, generated, max_new)
@@ -226,9 +220,46 @@ class SpeculativeEngine:
                 draft_time=t1 - t0,
                 verify_time=t2 - t1,
                 finish_reason=finish,
+                drafter=proposal.drafter if drafts else None,
             )
             if finish is not None:
                 return
+
+    def members(self) -> tuple[Drafter, ...]:
+        """The drafters the engine chooses from each step: an ``auto`` set's members, else its
+        one drafter (none for plain decoding)."""
+        if isinstance(self.drafter, MultiDrafter):
+            return self.drafter.members
+        return () if self.drafter is None else (self.drafter,)
+
+    @staticmethod
+    def _draft(
+        members: Sequence[Drafter],
+        choice: DrafterChoice,
+        context: list[int],
+        room: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+    ) -> tuple[int, int | None, Proposal, dict[int, float]]:
+        """Ask the drafters ``choice`` ranks, in turn, for at most ``room`` tokens; return the
+        k asked last, the index of the drafter whose proposal has tokens (None: a plain step),
+        that proposal (its ``drafter`` named) and each asked drafter's drafting seconds, its
+        catch-up on the context left out (``Proposal.sync_time``). A drafter that knows for
+        free that its next guess is well founded (n-gram lookup: a long match) says so; adaptive
+        k probes such a guess while drafting is off."""
+        times: dict[int, float] = {}
+        k = 0
+        for attempt in choice.order([member.sure(context) for member in members]):
+            choice.asked(attempt)
+            member, k = members[attempt.index], min(attempt.k, room)
+            start = time.perf_counter()
+            proposal = member.propose(context, k, params, generator)
+            times[attempt.index] = time.perf_counter() - start - proposal.sync_time
+            if proposal.tokens:
+                proposal = replace(proposal, tokens=proposal.tokens[:k],
+                                   drafter=proposal.drafter or member.name)
+                return k, attempt.index, proposal, times
+        return k, None, Proposal([]), times
 
     def _verify(
         self,

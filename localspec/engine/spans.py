@@ -29,6 +29,7 @@ class TokenSpan:
     token_id: int
     p_target: float | None = None  # p(token) under the target, where known
     q_draft: float | None = None  # q(token) under the drafter, where drafted
+    drafter: str | None = None  # which drafter guessed it, where drafted (StepEvent.drafter)
 
 
 class TokenTexts:
@@ -87,12 +88,13 @@ def event_spans(event: StepEvent, texts: TokenTexts) -> list[TokenSpan]:
     accepted_ids = event.tokens[:kept_accepted]
     for i, (token, text) in enumerate(zip(accepted_ids, texts.append(accepted_ids), strict=True)):
         q = event.q_draft[i] if i < len(event.q_draft) else None
-        spans.append(TokenSpan(text, "accepted", event.step, token, event.p_target[i], q))
+        spans.append(TokenSpan(text, "accepted", event.step, token, event.p_target[i], q,
+                               event.drafter))
     rejected = event.rejected
     for j, (token, text) in enumerate(zip(rejected, texts.preview(rejected), strict=True)):
         i = event.accepted + j
         q = event.q_draft[i] if i < len(event.q_draft) else None
-        spans.append(TokenSpan(text, "rejected", event.step, token, None, q))
+        spans.append(TokenSpan(text, "rejected", event.step, token, None, q, event.drafter))
     for i in range(kept_accepted, len(event.tokens)):  # the target's own token, if not cut off
         token = event.tokens[i]
         kind = event.target_token_kind if event.drafted else "target"

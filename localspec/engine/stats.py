@@ -1,5 +1,6 @@
 """Generation statistics, folded from the engine's step events (no tensors, no timing of its own
-beyond the wall clock the caller hands in)."""
+beyond the wall clock the caller hands in). Steps, drafts and acceptances are also kept per
+drafter (``StepEvent.drafter``): an ``auto`` set's members each have their own."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ class GenerationStats:
     wall_time: float = 0.0
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
+    # drafter's name -> [steps it drafted, tokens drafted, tokens accepted]
+    per_drafter: dict[str, list[int]] = field(default_factory=dict)
 
     def add(self, event: StepEvent) -> None:
         if not event.drafted and not event.tokens:
@@ -31,6 +34,10 @@ class GenerationStats:
         self.accepted += event.accepted
         self.draft_time += event.draft_time
         self.verify_time += event.verify_time
+        if event.drafter is not None:
+            counts = self.per_drafter.setdefault(event.drafter, [0, 0, 0])
+            for j, n in enumerate((1, len(event.drafted), event.accepted)):
+                counts[j] += n
         for i in range(len(event.drafted)):
             if i == len(self.drafted_per_position):
                 self.drafted_per_position.append(0)
@@ -48,6 +55,10 @@ class GenerationStats:
             mine.extend([0] * (len(theirs) - len(mine)))
             for i, n in enumerate(theirs):
                 mine[i] += n
+        for name, counts in other.per_drafter.items():
+            mine = self.per_drafter.setdefault(name, [0, 0, 0])
+            for j, n in enumerate(counts):
+                mine[j] += n
         return self
 
     @property
@@ -63,7 +74,13 @@ class GenerationStats:
         """Tokens per target forward pass (1.0 for plain decoding)."""
         return self.new_tokens / self.target_forward_passes if self.target_forward_passes else 0.0
 
-    def as_dict(self) -> dict[str, float | int | list[int]]:
+    def drafters(self) -> dict[str, dict[str, float | int]]:
+        """Per drafter: the steps it drafted, its drafted and accepted tokens, its acceptance."""
+        return {name: {"steps": steps, "drafted": drafted, "accepted": accepted,
+                       "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0}
+                for name, (steps, drafted, accepted) in self.per_drafter.items()}
+
+    def as_dict(self) -> dict[str, object]:
         return {
             "tokens_per_second": round(self.tokens_per_second, 3),
             "acceptance_rate": round(self.acceptance_rate, 4),
@@ -76,4 +93,5 @@ class GenerationStats:
             "verify_time_s": round(self.verify_time, 3),
             "wall_time_s": round(self.wall_time, 3),
             "accepted_per_position": list(self.accepted_per_position),
+            "drafters": self.drafters(),
         }

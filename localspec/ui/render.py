@@ -61,6 +61,8 @@ CSS = """
 
 def span_title(span: TokenSpan) -> str:
     parts = [f"step {span.step}", KIND_LABELS[span.kind], f"token {span.token_id} {span.text!r}"]
+    if span.drafter is not None:
+        parts.insert(2, f"drafted by {span.drafter}")
     if span.p_target is not None:
         parts.append(f"p_target={span.p_target:.3f}")
     if span.q_draft is not None:
@@ -144,7 +146,8 @@ def acceptance_chart_html(stats: GenerationStats) -> str:
 
 
 def stats_html(live: LiveStats) -> str:
-    """The live readout: speed, acceptance, counts, time split, k, per-position chart."""
+    """The live readout: speed, acceptance, counts, time split, k, each drafter's acceptance
+    when several draft (an ``auto`` set), per-position chart."""
     s = live.stats
     rows = [
         ("method", live.method),
@@ -157,6 +160,11 @@ def stats_html(live: LiveStats) -> str:
         ("draft time / verify time", f"{s.draft_time:.2f} s / {s.verify_time:.2f} s"),
         ("current k", str(live.k)),
     ]
+    counts = s.drafters()
+    if len(counts) > 1 or (counts and live.method not in counts):  # an auto set: each member
+        rows += [(f"{name}: steps, accepted / drafted",
+                  f"{c['steps']}, {c['accepted']} / {c['drafted']} ({c['acceptance_rate']:.0%})")
+                 for name, c in counts.items()]
     table = "".join(f'<tr><td>{html.escape(name)}</td><td class="ls-num">{html.escape(value)}'
                     "</td></tr>" for name, value in rows)
     return f'<div class="ls-stats"><table>{table}</table>{acceptance_chart_html(s)}</div>'

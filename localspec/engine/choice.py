@@ -1,0 +1,104 @@
+"""Which drafter drafts each step, and how many tokens: adaptive k over one or more drafters.
+
+One ``AdaptiveK`` estimator per drafter (its acceptance r_j by position in this answer and its
+drafting cost per token), all sharing one verify-cost line (a pass over n tokens costs the
+same whoever drafted them). Each step ``order`` ranks the drafters to ask:
+
+  1. a resting drafter (one whose drafts do not pay) that is sure of its next guess and whose
+     sure-probe is due (n-gram lookup matching its longest n-gram: the text reached a copy);
+  2. the drafters whose best draft beats plain decoding, highest expected tokens per second
+     first (a sure one before the others: its guess is founded on a long match);
+  3. a resting drafter whose probe interval has run out.
+
+The engine asks them in that order and takes the first proposal that has tokens: a drafter
+that has nothing to offer (lookup without a match) costs almost nothing and cedes the step.
+When no drafter is asked, or none proposes anything, the step is plain decoding, so
+speculation is never slower than plain decoding by more than the probes, and the probes let
+a drafter come back when the text changes. With one drafter this is exactly ``AdaptiveK``'s
+own ``choose``. With adaptive k off every drafter is asked ``k_max`` tokens, in the listed
+order (lookup first).
+
+``record`` attributes the verdict to the drafter that drafted (the engine knows
+``verdict.num_accepted``), closes the probes of those asked, and counts the step towards the
+next probe of those that rested.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from localspec.engine.adaptive import AdaptiveK, VerifyLine
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One drafter to ask this step: its index among the drafters and its k."""
+
+    index: int
+    k: int
+    probe: bool = False  # a probe of a resting drafter
+    sure: bool = False  # the drafter said its next guess is well founded
+
+
+class DrafterChoice:
+    """Online estimates for each drafter; ``order`` ranks them, ``record`` learns a step."""
+
+    def __init__(self, count: int, k_max: int, enabled: bool = True) -> None:
+        self.k_max = k_max if count else 0
+        self.enabled = enabled
+        self.verify = VerifyLine()
+        self.estimators = [AdaptiveK(k_max=self.k_max, enabled=enabled, verify=self.verify)
+                           for _ in range(count)]
+        self._asked: list[Attempt] = []
+        self._resting: list[int] = []
+
+    def order(self, sure: list[bool]) -> list[Attempt]:
+        """The drafters to ask this step, in turn, until one proposes tokens; [] for a plain
+        step. ``sure[i]``: drafter i's evidence for its next guess (``Drafter.sure``)."""
+        self._resting = []
+        if self.k_max == 0:
+            attempts: list[Attempt] = []
+        elif not self.enabled:
+            attempts = [Attempt(i, self.k_max, sure=s) for i, s in enumerate(sure)]
+        else:
+            attempts = self._rank(sure)
+        self._asked = []
+        return attempts
+
+    def _rank(self, sure: list[bool]) -> list[Attempt]:
+        paying: list[tuple[bool, float, int, int]] = []
+        for i, estimator in enumerate(self.estimators):
+            k, rate = estimator.plan()
+            if k > 0:
+                estimator.paid()
+                paying.append((not sure[i], -rate, i, k))
+            else:
+                self._resting.append(i)
+        ranked = [Attempt(i, k, sure=sure[i]) for _, _, i, k in sorted(paying)]
+        due = [i for i in self._resting if self.estimators[i].probe_due(sure[i])]
+        first = [Attempt(i, self.estimators[i].probe_k(), True, True) for i in due if sure[i]]
+        last = [Attempt(i, self.estimators[i].probe_k(), True, False)
+                for i in due if not sure[i]]
+        return first + ranked + last
+
+    def asked(self, attempt: Attempt) -> None:
+        """The engine asks ``attempt``'s drafter now: a probe is under way."""
+        if attempt.probe:
+            self.estimators[attempt.index].start_probe(attempt.sure)
+        self._asked.append(attempt)
+
+    def record(self, drafter: int | None, drafted: int, accepted: int,
+               draft_times: dict[int, float], verify_time: float) -> None:
+        """Learn one step: ``drafter`` (None: a plain step) drafted ``drafted`` tokens and the
+        target kept ``accepted``; ``draft_times`` are the seconds each asked drafter took
+        (catching up on the context left out); the pass took ``verify_time``."""
+        asked = {attempt.index for attempt in self._asked}
+        for i in asked:
+            mine = i == drafter
+            self.estimators[i].record_draft(drafted if mine else 0, accepted if mine else 0,
+                                            draft_times.get(i, 0.0))
+        for i in self._resting:
+            if i not in asked:
+                self.estimators[i].rest()
+        self._resting = []
+        self.verify.update(drafted + 1, verify_time)
