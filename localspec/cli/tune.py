@@ -8,10 +8,11 @@ prompts or the user's JSONL, ``max_new_tokens`` each):
 1. the target's pass cost per verify width (1 to k + 1 rows, best of three): what a draft costs
    to check here, printed as a table;
 2. the preset's own settings, then one setting at a time around the best so far (a coordinate
-   search): the method (each one the preset can run, plain decoding included), n-gram lookup
-   first, the most drafts a step and the draft's confidence threshold. A candidate replaces the
-   best only when it is faster by more than ``MARGIN`` over all prompts (tokens over seconds):
-   one run of each is noisy, and a setting that merely ties is no reason to change;
+   search): the method (each one the preset can run, plain decoding and ``auto`` included),
+   n-gram lookup first, the most drafts a step and the draft's confidence threshold. A
+   candidate replaces the best only when it is faster by more than ``MARGIN`` over all prompts
+   (tokens over seconds): one run of each is noisy, and a setting that merely ties is no reason
+   to change;
 3. the preset's settings against the chosen ones, interleaved ``repeats`` times: the chosen ones
    are kept only if they are faster there too, so a tuned preset is never slower than the one it
    came from on the prompts it measured.
@@ -41,7 +42,7 @@ from localspec.config import MAX_SPECULATIVE_TOKENS, Preset, parse_preset
 from localspec.errors import PresetError
 from localspec.pipeline import Pipeline, check_method, request_settings_for
 from localspec.presets import load_preset, preset_path, save_user_preset, user_presets_root
-from localspec.registry import drafter_spec, method_names
+from localspec.registry import AUTO, drafter_spec, method_names
 
 MARGIN = 0.03  # a candidate must be this much faster than the best so far to replace it
 K_CHOICES = (4, 8, 12, 16)
@@ -65,6 +66,8 @@ class Settings:
         if drafter_spec(self.method).needs != "nothing":
             parts += [f"threshold {self.threshold:g}",
                       f"lookup_first {str(self.lookup_first).lower()}"]
+        elif self.method == AUTO:
+            parts.append(f"threshold {self.threshold:g}")
         return ", ".join(parts)
 
 
@@ -157,7 +160,7 @@ def options(stage: str, best: Settings, methods: list[str]) -> list[Settings]:
         return [dataclasses.replace(best, k=k) for k in K_CHOICES if k <= MAX_SPECULATIVE_TOKENS]
     if stage == "lookup first" and model:
         return [dataclasses.replace(best, lookup_first=v) for v in (False, True)]
-    if stage == "confidence threshold" and model:
+    if stage == "confidence threshold" and (model or best.method == AUTO):
         return [dataclasses.replace(best, threshold=t) for t in THRESHOLDS]
     return []
 
