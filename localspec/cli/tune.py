@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
 import time
 from collections.abc import Callable
@@ -35,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import tomlkit
+import torch
 
 from localspec.cli.loading import load_pipeline
 from localspec.cli.prompts import encode_prompts, load_prompts
@@ -257,9 +259,10 @@ def run_tune(pipe: Pipeline, preset_name: str, encoded: list[list[int]], max_new
         if best.settings != start:
             measure(pipe, best.settings, encoded, max_new, into=after)
     chosen = after if best.settings != start and after.rate > before.rate else before
-    header = (f"{MARK} --preset {preset_name}` on {platform.processor() or platform.machine()}, "
-              f"{time.strftime('%Y-%m-%d')}: {before.rate:.2f} tok/s with its settings, "
-              f"{chosen.rate:.2f} with these.\n")
+    machine = (f"{platform.machine()}, {os.cpu_count()} CPUs "
+               f"({torch.backends.cpu.get_cpu_capability()})")
+    header = (f"{MARK} --preset {preset_name}` on {machine}, {time.strftime('%Y-%m-%d')}: "
+              f"{before.rate:.2f} tok/s with its settings, {chosen.rate:.2f} with these.\n")
     source = preset_path(preset_name).read_text(encoding="utf-8")
     text = tuned_text(source, preset, chosen.settings, header)
     path = save_user_preset(name, text, replace=replace)
