@@ -30,7 +30,7 @@ from localspec.cli.prompts import encode_prompts
 from localspec.engine.verify import verify_sampling
 from localspec.errors import PresetError
 from localspec.pipeline import Pipeline, check_method
-from localspec.registry import drafter_spec, drafters
+from localspec.registry import AUTO, drafter_spec, drafters
 from localspec.runtime.runner import ModelRunner
 from localspec.sampling import SamplingParams, logits_to_probs, sample
 
@@ -180,12 +180,15 @@ def check_sampling(pipe: Pipeline, prompts: list[dict[str, Any]], positions: int
 def greedy_methods(pipe: Pipeline) -> list[str]:
     """Every registered speculative method the pipeline can run: its preset meets the
     method's needs (a head only for the preset's own method) and a draft model it needs is
-    loaded."""
+    loaded; "auto" only where it has two drafters or more (with one it is that drafter's
+    method)."""
     methods = []
     for spec in drafters():
         members = pipe.preset.drafter_methods(spec.name) if spec.speculative else ()
         needs = [drafter_spec(name).needs for name in members]
         if not members or (pipe.draft is None and "draft_model" in needs):
+            continue
+        if spec.name == AUTO and len(members) < 2:
             continue
         try:
             check_method(pipe.preset, spec.name)
