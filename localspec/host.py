@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -105,7 +105,12 @@ class ModelHost:
 
     def run_on_engine(self, work: Callable[[], T]) -> T:
         """``work()`` on the engine thread; its result, or what it raised."""
-        return self._engine.submit(work).result()
+        return self.submit_on_engine(work).result()
+
+    def submit_on_engine(self, work: Callable[[], T]) -> Future[T]:
+        """``work()`` queued on the engine thread, not waited for (a long job whose progress
+        the caller shows meanwhile)."""
+        return self._engine.submit(work)
 
     # ------------------------------------------------------------------ loading
 

@@ -15,7 +15,7 @@ import pytest
 import test_engine_sampling
 import torch
 from conftest import collect, decode, draft_drafter
-from engine_helpers import HOT, PROMPTS, Gate, plain_tokens, request
+from engine_helpers import GREEDY, HOT, MAX_NEW, PROMPTS, Gate, plain_tokens, request
 from test_engine_sampling import STAT_PROMPT, STAT_VOCAB, chi_square, chi_square_critical
 from transformers import PreTrainedModel
 
@@ -25,7 +25,7 @@ from localspec.drafters.base import Drafter, Proposal
 from localspec.drafters.draft_model import DraftModelDrafter
 from localspec.drafters.multi import MultiDrafter
 from localspec.drafters.ngram import NgramDrafter
-from localspec.engine.choice import Attempt, DrafterChoice
+from localspec.engine.choice import Attempt, DrafterChoice, Shadows
 from localspec.engine.engine import SpeculativeEngine
 from localspec.engine.stats import GenerationStats
 from localspec.errors import PresetError
@@ -257,3 +257,80 @@ def test_bad_drafter_lists_are_preset_errors(data: dict[str, Any], needle: str) 
     with pytest.raises(PresetError) as info:
         parse_preset(data, "p.toml")
     assert needle in str(info.value) and str(info.value).startswith("p.toml: ")
+
+
+# ----------------------------------------------------------------------------- shadows
+
+
+class Recorder:
+    """Stands for DrafterChoice: what ``shadow`` was told."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int, int]] = []
+
+    def shadow(self, drafter: int, drafted: int, accepted: int, draft_time: float) -> None:
+        self.calls.append((drafter, drafted, accepted))
+
+
+def test_a_shadow_guess_is_settled_by_the_output() -> None:
+    shadows, seen = Shadows(), Recorder()
+    output = [1, 2, 3]
+    shadows.add(0, 3, [5, 6, 7], 0.0)  # continues after output[:3]
+    shadows.add(1, 3, [5, 9], 0.0)
+    shadows.add(1, 3, [], 0.0)  # nothing guessed: nothing to learn
+    shadows.resolve([*output, 5], seen)  # both still match what is known
+    assert seen.calls == []
+    shadows.resolve([*output, 5, 6], seen)  # the second guess missed at its second token
+    assert seen.calls == [(1, 2, 1)]
+    shadows.resolve([*output, 5, 6, 7, 8], seen)  # the first was kept whole
+    assert seen.calls == [(1, 2, 1), (0, 3, 3)]
+
+
+class TwoRight(Drafter):
+    """Free, like lookup: the plain answer's next two tokens, then a wrong one."""
+
+    name = "two-right"
+    free = True
+
+    def __init__(self, reference: list[int], prompt_length: int) -> None:
+        self.reference, self.prompt_length = reference, prompt_length
+
+    def reset(self) -> None:
+        pass
+
+    def propose(self, context: list[int], k: int, params: SamplingParams,
+                generator: torch.Generator) -> Proposal:
+        at = len(context) - self.prompt_length
+        right = self.reference[at:at + 2]
+        return Proposal([*right, (self.reference[at + 2] + 1) % 64] if len(right) == 2 else [])
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_a_free_drafter_learns_from_steps_another_drafted(
+        greedy: bool, target_runner: ModelRunner, target_model: PreTrainedModel,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The draft model (the target itself: always right, so ranked first) drafts; a free
+    drafter that did not draft is asked what it would have drafted and learns what the output
+    kept (two of three here), in greedy decoding only, where the output does not depend on the
+    drafts."""
+    told: list[tuple[int, int, int]] = []
+    real = DrafterChoice.shadow
+
+    def shadow(self: DrafterChoice, drafter: int, drafted: int, accepted: int,
+               draft_time: float) -> None:
+        told.append((drafter, drafted, accepted))
+        real(self, drafter, drafted, accepted, draft_time)
+
+    monkeypatch.setattr(DrafterChoice, "shadow", shadow)
+    prompt = PROMPTS["random-a"]
+    reference = plain_tokens(target_model, prompt, max_new_tokens=MAX_NEW + 3)
+    drafter = MultiDrafter([draft_drafter(target_model), TwoRight(reference, len(prompt))])
+    engine = SpeculativeEngine(target_runner, drafter, decode, set())
+    sampling = GREEDY if greedy else SamplingParams(temperature=1.0)
+    tokens, events = collect(engine, request(prompt, k=4, adaptive=False, sampling=sampling))
+    if not greedy:
+        assert told == []
+        return
+    assert tokens == reference[:len(tokens)]
+    assert {e.drafter for e in events if e.drafted} == {"draft_model"}
+    assert len(told) >= len(events) - 2 and set(told) == {(1, 3, 2)}, told

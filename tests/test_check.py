@@ -21,11 +21,11 @@ from localspec.cli.check import (
     run_checks,
 )
 from localspec.cli.main import main
-from localspec.cli.prompts import encode
 from localspec.pipeline import Pipeline
 from localspec.presets import load_preset
 from localspec.runtime.runner import ModelRunner
 from localspec.sampling import SamplingParams, logits_to_probs
+from localspec.training.prompts import encode
 
 P = torch.tensor([0.40, 0.25, 0.15, 0.10, 0.05, 0.03, 0.015, 0.005], dtype=torch.float64)
 Q = P.flip(0)

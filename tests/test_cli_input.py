@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 from conftest import assert_user_error, run_cli
 
-from localspec.cli.prompts import load_prompts
 from localspec.drafters.head_files import read_config
 from localspec.errors import InputFileError, ModelLoadError
 from localspec.presets import list_preset_names
+from localspec.training.prompts import load_prompts
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -145,7 +145,7 @@ def test_layer_check_would_catch_an_upward_import() -> None:
     assert _floor("localspec.drafters.base") < _floor("localspec.engine.engine")
     assert _floor("localspec.sampling") < _floor("localspec.drafters.ngram")
     assert _floor("localspec.pipeline") < _floor("localspec.training.answers")
-    assert _floor("localspec.training.corpus") < _floor("localspec.cli.prompts")
+    assert _floor("localspec.training.corpus") < _floor("localspec.cli.tune")
 
 
 def _too_long(sources: list[Path]) -> dict[str, int]:

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from conftest import assert_user_error, run_cli
 
-from localspec.cli import tune
 from localspec.presets import load_preset, user_presets_root
+from localspec.training import tuning
 
 
 @pytest.fixture(autouse=True)
@@ -38,16 +38,16 @@ def test_tune_writes_a_valid_preset_never_slower_than_its_start(
     assert report["name"] == name and Path(report["saved"]).parent == user_presets_root()
     assert [int(w) for w in report["pass_ms"]] == list(range(1, 18))
     tried = [t["settings"].split(",")[0] for t in report["trials"] if t["stage"] == "method"]
-    assert tried == tune.runnable_methods(load_preset(presets["draft"])), tried
+    assert tried == tuning.runnable_methods(load_preset(presets["draft"])), tried
     assert {"none", "ngram", "draft_model"} <= set(tried)
     before, after = report["before"], report["after"]
     assert after["tok_s"] >= before["tok_s"]
     assert after["settings"] == before["settings"] or after["tok_s"] > before["tok_s"]
     saved = load_preset(name)
-    assert tune.settings_of(saved).label() == after["settings"]
+    assert tuning.settings_of(saved).label() == after["settings"]
     assert saved.target == load_preset(presets["draft"]).target
     text = Path(report["saved"]).read_text(encoding="utf-8")
-    assert text.startswith(tune.MARK) and "draft_dtype" in text  # the source's other keys
+    assert text.startswith(tuning.MARK) and "draft_dtype" in text  # the source's other keys
     # run again: its own preset is replaced, not refused
     code, _, err = run_cli(capsys, "tune", "--preset", presets["draft"], "--prompts",
                            prompts_file(tmp_path), "--max-new-tokens", "4", "--repeats", "1")
@@ -60,28 +60,28 @@ def test_a_fast_looking_candidate_slower_in_the_final_comparison_is_not_kept(
     """Seconds faked per setting: k = 16 looks three times as fast in the search (its first
     run) and is half as fast in the before/after rounds: the search picks it, the final rounds
     drop it, and the saved preset keeps the starting settings."""
-    runs: dict[tune.Settings, int] = {}
-    real = tune.measure
+    runs: dict[tuning.Settings, int] = {}
+    real = tuning.measure
 
-    def timed(pipe: object, s: tune.Settings, encoded: list[list[int]], max_new: int,
-              into: tune.Measured | None = None) -> tune.Measured:
+    def timed(pipe: object, s: tuning.Settings, encoded: list[list[int]], max_new: int,
+              into: tuning.Measured | None = None) -> tuning.Measured:
         m = real(pipe, s, encoded, max_new, into)  # type: ignore[arg-type]
         runs[s] = runs.get(s, 0) + 1
         rate = (300.0 if runs[s] == 1 else 50.0) if s.k == 16 else 100.0
         m.seconds = m.tokens / rate
         return m
 
-    monkeypatch.setattr(tune, "measure", timed)
+    monkeypatch.setattr(tuning, "measure", timed)
     code, out, err = run_cli(capsys, "tune", "--preset", presets["draft"], "--prompts",
                              prompts_file(tmp_path), "--max-new-tokens", "6", "--repeats", "2",
                              "--json")
     assert code == 0, err
     report = json.loads(out)
-    start = tune.settings_of(load_preset(presets["draft"]))
+    start = tuning.settings_of(load_preset(presets["draft"]))
     assert report["searched"] == dataclasses.replace(start, k=16).label()
     assert report["after"]["settings"] == start.label()
     assert report["after"]["tok_s"] == pytest.approx(100.0)
-    assert tune.settings_of(load_preset(report["name"])) == start
+    assert tuning.settings_of(load_preset(report["name"])) == start
 
 
 def test_a_name_held_by_another_preset_is_refused_before_loading(
@@ -97,5 +97,5 @@ def test_a_name_held_by_another_preset_is_refused_before_loading(
 
 def test_settings_round_trip_through_a_preset(presets: dict[str, str]) -> None:
     preset = load_preset(presets["draft"])
-    s = dataclasses.replace(tune.settings_of(preset), k=12, threshold=0.2, lookup_first=True)
-    assert tune.settings_of(tune.with_settings(preset, s)) == s
+    s = dataclasses.replace(tuning.settings_of(preset), k=12, threshold=0.2, lookup_first=True)
+    assert tuning.settings_of(tuning.with_settings(preset, s)) == s

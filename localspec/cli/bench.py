@@ -31,12 +31,12 @@ from localspec.cli.bench_api import (
     format_api,
     summarise_api,
 )
-from localspec.cli.prompts import encode_prompts, load_prompts
 from localspec.config import CPU_QUANTIZATIONS, Preset, unquantized_target
 from localspec.drafters.simulated import SimulatedDrafter
 from localspec.errors import ConfigError, PresetError
 from localspec.pipeline import Pipeline, check_method
 from localspec.registry import AUTO, drafter_spec, method_names, methods_needing
+from localspec.training.prompts import encode_prompts, load_prompts
 
 __all__ = ["DEFAULT_HF_METHODS", "HF_METHODS", "SIMULATED", "check_methods", "default_methods",
            "first_difference", "format_table", "hf_pipeline", "load_prompts", "needs_draft",

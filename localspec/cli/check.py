@@ -26,13 +26,13 @@ import torch
 from scipy.stats import chisquare
 
 from localspec.cli.bench import first_difference
-from localspec.cli.prompts import encode_prompts
 from localspec.engine.verify import verify_sampling
 from localspec.errors import PresetError
 from localspec.pipeline import Pipeline, check_method
 from localspec.registry import AUTO, drafter_spec, drafters
 from localspec.runtime.runner import ModelRunner
 from localspec.sampling import SamplingParams, logits_to_probs, sample
+from localspec.training.prompts import encode_prompts
 
 NEAR_TIE_LOGITS = 0.5
 P_VALUE_THRESHOLD = 1e-3

@@ -129,7 +129,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     from localspec.cli.check import format_report, run_checks
-    from localspec.cli.prompts import load_prompts
+    from localspec.training.prompts import load_prompts
 
     preset = load_preset(args.preset)
     request_settings_for(preset, max_new_tokens=args.max_new_tokens, temperature=0.0)

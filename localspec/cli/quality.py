@@ -36,9 +36,9 @@ from typing import Any
 import torch
 
 from localspec.cli.loading import load_pipeline
-from localspec.cli.prompts import read_user_text
 from localspec.config import Preset, unquantized_target
 from localspec.errors import ConfigError, InputFileError, PresetError
+from localspec.files import read_user_text
 from localspec.pipeline import Pipeline
 from localspec.presets import load_preset
 from localspec.runtime.runner import ModelRunner

@@ -84,6 +84,9 @@ class Drafter(ABC):
     """What the engine needs from any drafter."""
 
     name: str  # which drafter it is (a method's drafter: the method's name), set by each
+    # Whether a proposal costs next to nothing and changes no state (n-gram lookup): the engine
+    # may then ask it for the drafts it would have made on steps another drafter drafted.
+    free: bool = False
 
     @abstractmethod
     def reset(self) -> None:

@@ -52,6 +52,7 @@ class NgramDrafter(Drafter):
     """Prompt lookup over prompt + generated text."""
 
     name = "ngram"
+    free = True
 
     def __init__(self, prompt_lookup_max: int = 4, prompt_lookup_min: int = 1) -> None:
         if not 1 <= prompt_lookup_min <= prompt_lookup_max:

@@ -22,7 +22,7 @@ import torch
 from localspec.config import MAX_SPECULATIVE_TOKENS
 from localspec.drafters.base import Drafter, Proposal
 from localspec.drafters.multi import MultiDrafter
-from localspec.engine.choice import DrafterChoice
+from localspec.engine.choice import DrafterChoice, Shadows
 from localspec.engine.verify import Verdict, verify_greedy, verify_sampling
 from localspec.errors import LocalSpecError
 from localspec.runtime.runner import ModelRunner
@@ -177,6 +177,8 @@ class SpeculativeEngine:
             self.drafter.reset()
         members = self.members()
         choice = DrafterChoice(len(members), request.num_speculative_tokens, request.adaptive)
+        # what free drafters would have drafted, where the output alone says what was kept
+        shadows = Shadows() if params.greedy and len(members) > 1 else None
         context = list(request.prompt_ids)
         if len(context) > 1:
             self.target.forward(context[:-1], logits_to_keep=1)
@@ -190,6 +192,8 @@ class SpeculativeEngine:
             t0 = time.perf_counter()
             k, used, proposal, draft_times = self._draft(members, choice, context,
                                                          max_new - generated, params, generator)
+            if shadows is not None:
+                self._shadow(members, used, choice, shadows, context, params, generator)
             t1 = time.perf_counter()
             drafts = proposal.tokens
             logits = self.target.forward([context[-1], *drafts])  # [len(drafts) + 1, vocab]
@@ -202,6 +206,8 @@ class SpeculativeEngine:
             new_tokens = [*drafts[: verdict.num_accepted], verdict.token]
             kept, finish = self._cut(new_tokens, generated, max_new)
             context.extend(kept)
+            if shadows is not None:
+                shadows.resolve(context, choice)
             generated += len(kept)
             delta, stopped = stream.push(kept, final=finish is not None)
             if stopped:
@@ -260,6 +266,17 @@ class SpeculativeEngine:
                                    drafter=proposal.drafter or member.name)
                 return k, attempt.index, proposal, times
         return k, None, Proposal([]), times
+
+    @staticmethod
+    def _shadow(members: Sequence[Drafter], used: int | None, choice: DrafterChoice,
+                shadows: Shadows, context: list[int], params: SamplingParams,
+                generator: torch.Generator) -> None:
+        """Ask each free drafter that did not draft this step what it would have drafted."""
+        for i, member in enumerate(members):
+            if member.free and i != used:
+                start = time.perf_counter()
+                guess = member.propose(context, choice.k_max, params, generator)
+                shadows.add(i, len(context), guess.tokens, time.perf_counter() - start)
 
     def _verify(
         self,

@@ -218,7 +218,7 @@ class ChatApp:
                         message="" if turn.message is not None else gr.skip(),
                         tokens=spans_html([]), summary="", notice="", spans=[],
                         conversation=saver.conversation)
-            why_not = yield from self._wait_turn(
+            why_not = yield from self.wait_turn(
                 cancel, lambda text: view(ChatView, notice=notice_html(text)))
             if why_not is not None:
                 yield self._restore(turn, why_not, saver)
@@ -294,7 +294,7 @@ class ChatApp:
         session = f"{session}/race"
         cancel = self.host.begin(session)
         try:
-            why_not = yield from self._wait_turn(
+            why_not = yield from self.wait_turn(
                 cancel, lambda notice: view(RaceView, notice=notice_html(notice)))
             if why_not is not None:
                 yield view(RaceView, notice=notice_html(why_not))
@@ -339,7 +339,7 @@ class ChatApp:
 
     # ------------------------------------------------------------------ shared
 
-    def _wait_turn(self, cancel: threading.Event,
+    def wait_turn(self, cancel: threading.Event,
                    notice: Callable[[str], View]) -> Generator[View, None, str | None]:
         """Wait for loaded models and the generation lock, yielding notices. Returns None once
         the lock is held, else why not (stopped while waiting, no model)."""

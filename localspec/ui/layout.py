@@ -35,6 +35,7 @@ from localspec.ui.conversations import Conversations
 from localspec.ui.handlers import ChatApp
 from localspec.ui.models_view import build_models_tab, wire_models
 from localspec.ui.render import legend_html, spans_html
+from localspec.ui.tuning_view import tune_here
 from localspec.ui.views import ChatView, RaceView, Settings, SwitchView, session_of
 
 SLIDERS = {  # control -> (request setting, step, label)
@@ -176,6 +177,8 @@ class PresetPanel:
     path: gr.Textbox
     load: gr.Button
     info: gr.HTML
+    tune: gr.Button
+    tuned: gr.HTML
 
 
 def _preset_panel(app: ChatApp) -> PresetPanel:
@@ -188,9 +191,11 @@ def _preset_panel(app: ChatApp) -> PresetPanel:
             path = gr.Textbox(label="…or a preset file path", scale=4, elem_id="ls-preset-path")
             load = gr.Button("Load", scale=1, elem_id="ls-load-path")
         info = gr.HTML("", elem_id="ls-preset-info", js_on_load=None)
+        tune = gr.Button("Tune for this machine", size="sm", elem_id="ls-tune")
+        tuned = gr.HTML("", elem_id="ls-tune-out", js_on_load=None)
         with gr.Accordion("All presets and what fits", open=False):
             gr.HTML(app.presets_html(), js_on_load=None)
-    return PresetPanel(preset, path, load, info)
+    return PresetPanel(preset, path, load, info, tune, tuned)
 
 
 def build(app: ChatApp, api_info: str = "", conversations: Conversations | None = None
@@ -236,6 +241,11 @@ def build(app: ChatApp, api_info: str = "", conversations: Conversations | None 
                                 (panel.load.click, panel.path)):
             trigger(app.switch_preset, source, switch_outputs, concurrency_limit=1,
                     concurrency_id="switch", show_progress="hidden")
+        def tune(request: gr.Request) -> Iterator[tuple[str, dict]]:
+            yield from tune_here(app, session_of(request))
+
+        panel.tune.click(tune, None, [panel.tuned, panel.preset], concurrency_limit=1,
+                         concurrency_id="tune", show_progress="hidden")
         gr.Timer(1.0).tick(app.status, None, status, show_progress="hidden", queue=False)
         wire_models(models, panel.preset, app.preset_choices, demo)
         demo.load(app.initial_controls, None, switch_outputs, queue=False)

@@ -1,4 +1,5 @@
-"""Prompt sets for ``bench`` and ``verify``: a JSONL file read, checked and encoded up front.
+"""Prompt sets for ``bench``, ``verify`` and ``tune``: a JSONL file read, checked and encoded up
+front.
 
 One JSON object a line: ``{"prompt": "..."}`` or ``{"messages": [{"role": ..., "content": ...},
 ...]}``, with an optional ``"category"``. Everything that can be wrong with the file (missing,

@@ -1,0 +1,276 @@
+"""Tuning: the settings of a preset that measure fastest on this machine, saved as a preset
+(``localspec tune`` and the app's "Tune for this machine" run it).
+
+Every figure LocalSpec ships was tuned on one 2-core machine; the right draft length, confidence
+threshold and drafter differ with the cores, the memory bandwidth and the user's prompts. So
+``tune`` measures, in one process on the preset's models loaded once (greedy; the built-in
+prompts or the user's JSONL, ``max_new_tokens`` each):
+
+1. the target's pass cost per verify width (1 to k + 1 rows, best of three): what a draft costs
+   to check here, printed as a table;
+2. the preset's own settings, then one setting at a time around the best so far (a coordinate
+   search): the method (each one the preset can run, plain decoding and ``auto`` included),
+   n-gram lookup first, the most drafts a step and the draft's confidence threshold. A
+   candidate replaces the best only when it is faster by more than ``MARGIN`` over all prompts
+   (tokens over seconds): one run of each is noisy, and a setting that merely ties is no reason
+   to change;
+3. the preset's settings against the chosen ones, interleaved ``repeats`` times: the chosen ones
+   are kept only if they are faster there too, so a tuned preset is never slower than the one it
+   came from on the prompts it measured.
+
+The result is the preset's TOML with those values changed (``tomlkit``: the preset's comments
+stay), saved among the user's presets as ``<preset>-tuned`` (a preset ``tune`` made before under
+that name is replaced; any other is refused before anything is measured). Every candidate's
+output is compared with plain decoding's: a difference is a bug, reported, never saved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import tomlkit
+import torch
+
+from localspec.config import MAX_SPECULATIVE_TOKENS, Preset, parse_preset
+from localspec.errors import PresetError
+from localspec.pipeline import Pipeline, check_method
+from localspec.presets import preset_path, save_user_preset, user_presets_root
+from localspec.registry import AUTO, drafter_spec, method_names
+
+MARGIN = 0.03  # a candidate must be this much faster than the best so far to replace it
+K_CHOICES = (4, 8, 12, 16)
+THRESHOLDS = (0.1, 0.2, 0.3, 0.5)
+MARK = "# Made by `localspec tune"  # the first line of a preset tune wrote (it may replace it)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The settings tune varies."""
+
+    method: str
+    k: int
+    threshold: float
+    lookup_first: bool
+
+    def label(self) -> str:
+        if self.method == "none":
+            return "none"
+        parts = [self.method, f"k<={self.k}"]
+        if drafter_spec(self.method).needs != "nothing":
+            parts += [f"threshold {self.threshold:g}",
+                      f"lookup_first {str(self.lookup_first).lower()}"]
+        elif self.method == AUTO:
+            parts.append(f"threshold {self.threshold:g}")
+        return ", ".join(parts)
+
+
+def settings_of(preset: Preset) -> Settings:
+    return Settings(preset.speculative_config.method,
+                    preset.speculative_config.num_speculative_tokens,
+                    preset.localspec.draft_confidence_threshold, preset.localspec.lookup_first)
+
+
+def with_settings(preset: Preset, s: Settings) -> Preset:
+    """``preset`` with ``s`` (validated as a preset file is)."""
+    data = preset.model_dump(exclude_none=True)
+    data["speculative_config"].update(method=s.method, num_speculative_tokens=s.k)
+    data["localspec"].update(draft_confidence_threshold=s.threshold, lookup_first=s.lookup_first)
+    return parse_preset(data, where=f"preset '{preset.name}' with {s.label()}")
+
+
+def runnable_methods(preset: Preset) -> list[str]:
+    """Every method the preset's models can run (plain decoding first)."""
+    ok = []
+    for method in method_names():
+        try:
+            check_method(preset, method)
+        except PresetError:
+            continue
+        ok.append(method)
+    return ok
+
+
+def pass_costs(pipe: Pipeline, prompt_ids: list[int], widths: range) -> dict[int, float]:
+    """Seconds of one target pass of each width after ``prompt_ids``: the best of three rounds
+    over all widths (a round at a time, so that a slow moment of the machine spreads over the
+    widths instead of inflating one)."""
+    runner = pipe.target_runner()
+    runner.reset()
+    runner.forward(prompt_ids[:-1], logits_to_keep=1)
+    start = runner.length
+    costs = dict.fromkeys(widths, float("inf"))
+    for _ in range(3):
+        for width in widths:
+            t0 = time.perf_counter()
+            runner.forward([prompt_ids[-1]] * width)
+            costs[width] = min(costs[width], time.perf_counter() - t0)
+            runner.crop(start)
+    runner.reset()
+    return costs
+
+
+@dataclasses.dataclass
+class Measured:
+    """One setting's runs over the prompts."""
+
+    settings: Settings
+    tokens: int = 0
+    seconds: float = 0.0
+    outputs: list[list[int]] = dataclasses.field(default_factory=list)
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def measure(pipe: Pipeline, s: Settings, encoded: list[list[int]], max_new: int,
+            into: Measured | None = None) -> Measured:
+    """Greedy runs of every prompt with ``s`` on ``pipe``'s models (its runner shared)."""
+    variant = Pipeline(with_settings(pipe.preset, s), pipe.target, pipe.draft,
+                       _runner=pipe.target_runner())
+    out = into or Measured(s)
+    for ids in encoded:
+        request = variant.request(ids, max_new_tokens=max_new, temperature=0.0,
+                                  num_speculative_tokens=s.k)
+        result = variant.run(request)
+        out.tokens += len(result.token_ids)
+        out.seconds += result.stats.wall_time
+        out.outputs.append(result.token_ids)
+    return out
+
+
+STAGES = ("method", "lookup first", "drafts a step", "confidence threshold")
+
+
+def options(stage: str, best: Settings, methods: list[str]) -> list[Settings]:
+    """The candidates of one stage of the coordinate search, around ``best``."""
+    if stage == "method":
+        return [dataclasses.replace(best, method=m) for m in methods]
+    if best.method == "none":
+        return []
+    model = drafter_spec(best.method).needs != "nothing"  # a draft model or a head
+    if stage == "drafts a step":
+        return [dataclasses.replace(best, k=k) for k in K_CHOICES if k <= MAX_SPECULATIVE_TOKENS]
+    if stage == "lookup first" and model:
+        return [dataclasses.replace(best, lookup_first=v) for v in (False, True)]
+    if stage == "confidence threshold" and (model or best.method == AUTO):
+        return [dataclasses.replace(best, threshold=t) for t in THRESHOLDS]
+    return []
+
+
+def _check_exact(m: Measured, plain: Measured) -> None:
+    """Greedy output with any drafter is plain decoding's, token for token: else a bug."""
+    for i, (ours, theirs) in enumerate(zip(m.outputs, plain.outputs, strict=True)):
+        if ours != theirs:
+            raise RuntimeError(f"{m.settings.label()} changed the greedy output of prompt "
+                               f"{i + 1}: a bug in LocalSpec, nothing was saved")
+
+
+def tuned_name(preset_name: str) -> str:
+    stem = Path(str(preset_name)).name.removesuffix(".toml")
+    return f"{stem}-tuned"
+
+
+def check_name(name: str) -> bool:
+    """Whether saving ``name`` replaces a preset tune made; PresetError (before anything is
+    measured) for a name another preset of the user's holds."""
+    path = user_presets_root() / f"{name}.toml"
+    if not path.exists():
+        return False
+    try:
+        first = path.read_text(encoding="utf-8").split("\n", 1)[0]
+    except (OSError, UnicodeDecodeError):
+        first = ""
+    if not first.startswith(MARK):
+        raise PresetError(f"a preset '{name}' already exists ({path}) and `localspec tune` did "
+                          "not make it: give another --name, or delete that file first")
+    return True
+
+
+def tuned_text(source: str, preset: Preset, s: Settings, header: str) -> str:
+    """``source`` (the preset's TOML) with ``s``, a new name and ``header`` on top."""
+    doc = tomlkit.parse(source)
+    for table, key, value in (("speculative_config", "method", s.method),
+                              ("speculative_config", "num_speculative_tokens", s.k),
+                              ("localspec", "draft_confidence_threshold", s.threshold),
+                              ("localspec", "lookup_first", s.lookup_first)):
+        if table not in doc:
+            doc.add(table, tomlkit.table())
+        doc[table][key] = value  # type: ignore[index]
+    doc["name"] = f"{preset.name} (tuned)"
+    return header + tomlkit.dumps(doc)
+
+
+def run_tune(pipe: Pipeline, preset_name: str, encoded: list[list[int]], max_new: int,
+             repeats: int, name: str | None = None,
+             log: Callable[[str], None] = lambda _line: None) -> dict[str, Any]:
+    """Measure, choose, save; the report (``format_report`` prints it)."""
+    name = name or tuned_name(preset_name)
+    replace = check_name(name)
+    preset = pipe.preset
+    start = settings_of(preset)
+    widths = range(1, min(max(start.k, *K_CHOICES), MAX_SPECULATIVE_TOKENS) + 2)
+    costs = pass_costs(pipe, encoded[0], widths)
+    log("pass cost by width (ms): " + ", ".join(f"{w}: {c * 1e3:.1f}" for w, c in costs.items()))
+    methods = runnable_methods(preset)
+    seen: dict[Settings, Measured] = {}
+    plain = measure(pipe, dataclasses.replace(start, method="none"), encoded, max_new)
+    seen[plain.settings] = plain
+    best = seen[start] = plain if start.method == "none" else measure(pipe, start, encoded,
+                                                                       max_new)
+    trials = []
+    for stage in STAGES:
+        for s in options(stage, best.settings, methods):
+            if s not in seen:
+                seen[s] = measure(pipe, s, encoded, max_new)
+                _check_exact(seen[s], plain)
+            m = seen[s]
+            trials.append({"stage": stage, "settings": s.label(), "tok_s": m.rate,
+                           "vs_start": m.rate / seen[start].rate if seen[start].rate else 0.0})
+            log(f"{stage:21s} {s.label():60s} {m.rate:7.2f} tok/s")
+            if m.rate > best.rate * (1 + MARGIN):
+                best = m
+    before, after = Measured(start), Measured(best.settings)
+    for _ in range(repeats):
+        measure(pipe, start, encoded, max_new, into=before)
+        if best.settings != start:
+            measure(pipe, best.settings, encoded, max_new, into=after)
+    chosen = after if best.settings != start and after.rate > before.rate else before
+    machine = (f"{platform.machine()}, {os.cpu_count()} CPUs "
+               f"({torch.backends.cpu.get_cpu_capability()})")
+    header = (f"{MARK} --preset {preset_name}` on {machine}, {time.strftime('%Y-%m-%d')}: "
+              f"{before.rate:.2f} tok/s with its settings, {chosen.rate:.2f} with these.\n")
+    source = preset_path(preset_name).read_text(encoding="utf-8")
+    text = tuned_text(source, preset, chosen.settings, header)
+    path = save_user_preset(name, text, replace=replace)
+    return {"preset": preset_name, "saved": str(path), "name": name, "pass_ms": {
+        w: round(c * 1e3, 2) for w, c in costs.items()}, "trials": trials,
+        "searched": best.settings.label(),
+        "before": {"settings": start.label(), "tok_s": before.rate},
+        "after": {"settings": chosen.settings.label(), "tok_s": chosen.rate},
+        "plain_tok_s": plain.rate}
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The tables ``tune`` prints: pass costs, every trial, before and after."""
+    costs = report["pass_ms"]
+    lines = ["target pass by verify width (ms, best of 3):",
+             "  " + "  ".join(f"{w}: {c:.1f}" for w, c in costs.items()), "",
+             f"{'stage':21s} {'settings':60s} {'tok/s':>7s} {'vs start':>9s}"]
+    lines += [f"{t['stage']:21s} {t['settings']:60s} {t['tok_s']:7.2f} {t['vs_start']:8.2f}x"
+              for t in report["trials"]]
+    plain = report["plain_tok_s"]
+    lines += ["", f"{'':8s} {'settings':60s} {'tok/s':>7s} {'vs plain':>9s}"]
+    for row in ("before", "after"):
+        r = report[row]
+        speedup = r["tok_s"] / plain if plain else 0.0
+        lines.append(f"{row:8s} {r['settings']:60s} {r['tok_s']:7.2f} {speedup:8.2f}x")
+    lines += ["", f"saved as preset '{report['name']}': {report['saved']} "
+              f"(--preset {report['name']})"]
+    return "\n".join(lines)

@@ -1,0 +1,77 @@
+"""The app's "Tune for this machine": ``localspec tune`` over the preset the app has loaded.
+
+It runs ``training.tuning`` on the host's engine thread (where every generation runs), holding
+the generation lock as an answer does, so a chat waits for it and it waits for a chat. Its
+progress lines show as they come; at the end its tables, and the preset dropdown lists the
+tuned preset (``<preset>-tuned``). The built-in prompts, ``TUNE_TOKENS`` new tokens each and two
+before/after rounds: about two minutes for the default preset on 2 cores.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Iterator
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import gradio as gr
+
+from localspec.errors import LocalSpecError
+from localspec.training.prompts import encode_prompts, load_prompts
+from localspec.training.tuning import check_name, format_report, run_tune, tuned_name
+from localspec.ui.chat_view import notice_html
+from localspec.ui.handlers import ChatApp
+
+TUNE_TOKENS = 64
+TUNE_REPEATS = 2
+POLL_S = 0.5
+
+Update = tuple[str, dict]
+
+
+def _lines_html(lines: list[str]) -> str:
+    return f'<pre class="ls-tune">{html.escape(chr(10).join(lines))}</pre>'
+
+
+def tune_here(app: ChatApp, session: str) -> Iterator[Update]:
+    """Tune the loaded preset: (progress or result HTML, the dropdown's update) as it goes."""
+    key = app.host.status().active
+    cancel = app.host.begin(f"{session}/tune")
+    try:
+        why_not = yield from app.wait_turn(cancel, lambda text: (notice_html(text), gr.update()))
+        if why_not is not None or key is None:
+            yield notice_html(why_not or "No preset is loaded."), gr.update()
+            return
+        try:
+            yield from _tune(app, key)
+        finally:
+            app.host.generation_lock.release()
+    finally:
+        app.host.end(f"{session}/tune", cancel)
+
+
+def _tune(app: ChatApp, key: str) -> Iterator[Update]:
+    pipe = app.host.pipeline
+    lines = [f"Tuning {key} on this machine (about two minutes; answers wait meanwhile)…"]
+    yield _lines_html(lines), gr.update()
+    try:
+        check_name(tuned_name(key))
+    except LocalSpecError as exc:
+        yield notice_html(f"⚠ {exc}"), gr.update()
+        return
+
+    def work() -> dict:
+        encoded = encode_prompts(pipe, load_prompts(None), TUNE_TOKENS)
+        return run_tune(pipe, key, encoded, TUNE_TOKENS, TUNE_REPEATS, log=lines.append)
+
+    future = app.host.submit_on_engine(work)
+    while True:
+        try:
+            report = future.result(timeout=POLL_S)
+            break
+        except FutureTimeout:
+            yield _lines_html(lines), gr.update()
+        except LocalSpecError as exc:
+            yield notice_html(f"⚠ {exc}"), gr.update()
+            return
+    yield (_lines_html(format_report(report).splitlines()),
+           gr.update(choices=app.preset_choices()))
