@@ -99,3 +99,25 @@ def test_settings_round_trip_through_a_preset(presets: dict[str, str]) -> None:
     preset = load_preset(presets["draft"])
     s = dataclasses.replace(tuning.settings_of(preset), k=12, threshold=0.2, lookup_first=True)
     assert tuning.settings_of(tuning.with_settings(preset, s)) == s
+
+
+def test_an_auto_preset_with_listed_drafters_tunes_every_method(
+        presets: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The members of "auto" are listed only for it: a candidate of another method drops the
+    list (else it is no valid preset), and the saved preset keeps it only for auto."""
+    text = Path(presets["draft"]).read_text(encoding="utf-8")
+    text = text.replace('method = "draft_model"', 'method = "auto"') + \
+        'drafters = ["ngram", "draft_model"]\n'
+    source = tmp_path / "tiny-auto.toml"
+    source.write_text(text, encoding="utf-8")
+    preset = load_preset(str(source))
+    for method in tuning.runnable_methods(preset):
+        s = dataclasses.replace(tuning.settings_of(preset), method=method)
+        assert tuning.with_settings(preset, s).speculative_config.method == method
+    code, out, err = run_cli(capsys, "tune", "--preset", str(source), "--prompts",
+                             prompts_file(tmp_path), "--max-new-tokens", "4", "--repeats", "1",
+                             "--json")
+    assert code == 0, err
+    saved = load_preset(json.loads(out)["name"])
+    assert ("drafters" in Path(json.loads(out)["saved"]).read_text(encoding="utf-8")) == (
+        saved.speculative_config.method == "auto")

@@ -81,6 +81,8 @@ def with_settings(preset: Preset, s: Settings) -> Preset:
     data = preset.model_dump(exclude_none=True)
     data["speculative_config"].update(method=s.method, num_speculative_tokens=s.k)
     data["localspec"].update(draft_confidence_threshold=s.threshold, lookup_first=s.lookup_first)
+    if s.method != AUTO:  # the members of "auto" are listed only for it
+        data["localspec"].pop("drafters", None)
     return parse_preset(data, where=f"preset '{preset.name}' with {s.label()}")
 
 
@@ -203,6 +205,8 @@ def tuned_text(source: str, preset: Preset, s: Settings, header: str) -> str:
         if table not in doc:
             doc.add(table, tomlkit.table())
         doc[table][key] = value  # type: ignore[index]
+    if s.method != AUTO and "drafters" in doc["localspec"]:  # type: ignore[operator]
+        del doc["localspec"]["drafters"]  # type: ignore[union-attr]
     doc["name"] = f"{preset.name} (tuned)"
     return header + tomlkit.dumps(doc)
 
