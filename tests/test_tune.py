@@ -121,3 +121,29 @@ def test_an_auto_preset_with_listed_drafters_tunes_every_method(
     saved = load_preset(json.loads(out)["name"])
     assert ("drafters" in Path(json.loads(out)["saved"]).read_text(encoding="utf-8")) == (
         saved.speculative_config.method == "auto")
+
+
+def test_a_setting_whose_output_differs_is_never_chosen(
+        presets: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """n-gram lookup made three times as fast, but with an output that differs from plain
+    decoding's (as a near-tie on a float path may): reported, not chosen."""
+    real = tuning.measure
+
+    def timed(pipe: object, s: tuning.Settings, encoded: list[list[int]], max_new: int,
+              into: tuning.Measured | None = None) -> tuning.Measured:
+        m = real(pipe, s, encoded, max_new, into)  # type: ignore[arg-type]
+        m.seconds = m.tokens / (300.0 if s.method == "ngram" else 100.0)
+        if s.method == "ngram":
+            m.outputs[0] = [*m.outputs[0][:-1], m.outputs[0][-1] + 1]
+        return m
+
+    monkeypatch.setattr(tuning, "measure", timed)
+    code, out, err = run_cli(capsys, "tune", "--preset", presets["draft"], "--prompts",
+                             prompts_file(tmp_path), "--max-new-tokens", "4", "--repeats", "1",
+                             "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    ngram = [t for t in report["trials"] if t["settings"].startswith("ngram")]
+    assert ngram and not any(t["identical"] for t in ngram)
+    assert not report["searched"].startswith("ngram")

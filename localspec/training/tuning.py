@@ -21,7 +21,8 @@ prompts or the user's JSONL, ``max_new_tokens`` each):
 The result is the preset's TOML with those values changed (``tomlkit``: the preset's comments
 stay), saved among the user's presets as ``<preset>-tuned`` (a preset ``tune`` made before under
 that name is replaced; any other is refused before anything is measured). Every candidate's
-output is compared with plain decoding's: a difference is a bug, reported, never saved.
+output is compared with plain decoding's: one that differs (a near-tie on a float path, as
+``verify`` allows, or a bug) is reported and never chosen.
 """
 
 from __future__ import annotations
@@ -166,14 +167,6 @@ def options(stage: str, best: Settings, methods: list[str]) -> list[Settings]:
     return []
 
 
-def _check_exact(m: Measured, plain: Measured) -> None:
-    """Greedy output with any drafter is plain decoding's, token for token: else a bug."""
-    for i, (ours, theirs) in enumerate(zip(m.outputs, plain.outputs, strict=True)):
-        if ours != theirs:
-            raise RuntimeError(f"{m.settings.label()} changed the greedy output of prompt "
-                               f"{i + 1}: a bug in LocalSpec, nothing was saved")
-
-
 def tuned_name(preset_name: str) -> str:
     stem = Path(str(preset_name)).name.removesuffix(".toml")
     return f"{stem}-tuned"
@@ -233,12 +226,16 @@ def run_tune(pipe: Pipeline, preset_name: str, encoded: list[list[int]], max_new
         for s in options(stage, best.settings, methods):
             if s not in seen:
                 seen[s] = measure(pipe, s, encoded, max_new)
-                _check_exact(seen[s], plain)
             m = seen[s]
+            # greedy output with speculation is plain decoding's; a float path may differ at
+            # a near-tie (what `verify` allows): such a setting is reported, never chosen
+            exact = m.outputs == plain.outputs
             trials.append({"stage": stage, "settings": s.label(), "tok_s": m.rate,
-                           "vs_start": m.rate / seen[start].rate if seen[start].rate else 0.0})
-            log(f"{stage:21s} {s.label():60s} {m.rate:7.2f} tok/s")
-            if m.rate > best.rate * (1 + MARGIN):
+                           "vs_start": m.rate / seen[start].rate if seen[start].rate else 0.0,
+                           "identical": exact})
+            log(f"{stage:21s} {s.label():60s} {m.rate:7.2f} tok/s"
+                f"{'' if exact else '  output differs from plain: not chosen'}")
+            if exact and m.rate > best.rate * (1 + MARGIN):
                 best = m
     before, after = Measured(start), Measured(best.settings)
     for _ in range(repeats):
@@ -268,6 +265,7 @@ def format_report(report: dict[str, Any]) -> str:
              "  " + "  ".join(f"{w}: {c:.1f}" for w, c in costs.items()), "",
              f"{'stage':21s} {'settings':60s} {'tok/s':>7s} {'vs start':>9s}"]
     lines += [f"{t['stage']:21s} {t['settings']:60s} {t['tok_s']:7.2f} {t['vs_start']:8.2f}x"
+              f"{'' if t['identical'] else '  (output differs from plain)'}"
               for t in report["trials"]]
     plain = report["plain_tok_s"]
     lines += ["", f"{'':8s} {'settings':60s} {'tok/s':>7s} {'vs plain':>9s}"]
