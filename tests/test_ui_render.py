@@ -354,3 +354,15 @@ def test_follow_keeps_the_partial_answer_on_a_failure(caplog: pytest.LogCaptureF
     last = list(follow(_failing(1, ModelLoadError("disk gone")), answer, FakeClock(), 0.0))[-1]
     assert last.error == "⚠ disk gone" and last.text == "x"
     assert not [r for r in caplog.records if r.levelname == "ERROR"]  # expected: no traceback
+
+
+def test_a_token_guessed_by_lookup_is_marked_and_the_legend_says_so() -> None:
+    spans = [TokenSpan("a", "accepted", 1, 5, drafter="ngram"),
+             TokenSpan("b", "accepted", 2, 6, drafter="draft_model"),
+             TokenSpan("c", "bonus", 2, 7),
+             TokenSpan("d", "accepted", 3, 8, drafter='x" onmouseover="alert(1)')]
+    out = spans_html(spans)
+    assert out.count("ls-by-ngram") == 1 and "ls-by-draft_model" in out
+    assert 'onmouseover="' not in out  # a name that is no registry name: no class, escaped
+    assert out.count('class="ls-tok ls-accepted" title') == 1
+    assert "ls-by-ngram" in legend_html() and "n-gram lookup" in legend_html()

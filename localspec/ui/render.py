@@ -47,6 +47,7 @@ CSS = """
 .ls-rejected { background: #fecaca; color: #7f1d1d; text-decoration: line-through; opacity: 0.75; }
 .ls-legend { display: flex; flex-wrap: wrap; gap: 10px; font-size: 0.85em; margin: 4px 0; }
 .ls-legend .ls-tok { padding: 0 4px; }
+.ls-by-ngram { text-decoration: underline dotted; }
 .ls-stats table { width: 100%; font-size: 0.9em; border-collapse: collapse; }
 .ls-stats td { padding: 2px 6px; border-bottom: 1px solid var(--border-color-primary); }
 .ls-stats td.ls-num { text-align: right; font-variant-numeric: tabular-nums; }
@@ -75,11 +76,17 @@ def _shown_text(span: TokenSpan) -> str:
     return span.text.replace("\n", "↵") if span.kind == "rejected" else span.text
 
 
+def _by(span: TokenSpan) -> str:
+    """The class naming a drafted token's drafter (registry names: letters, digits, '_')."""
+    name = span.drafter or ""
+    return f" ls-by-{name}" if name.replace("_", "").isalnum() and name.isascii() else ""
+
+
 def spans_html(spans: Sequence[TokenSpan], show_rejected: bool = True) -> str:
     """The coloured answer: one <span> per token, text escaped, whitespace kept (pre-wrap)."""
     body = "".join(
-        f'<span class="ls-tok ls-{s.kind}" title="{html.escape(span_title(s), quote=True)}">'
-        f"{html.escape(_shown_text(s))}</span>"
+        f'<span class="ls-tok ls-{s.kind}{_by(s)}" '
+        f'title="{html.escape(span_title(s), quote=True)}">{html.escape(_shown_text(s))}</span>'
         for s in spans
         if show_rejected or s.kind != "rejected"
     )
@@ -89,7 +96,9 @@ def spans_html(spans: Sequence[TokenSpan], show_rejected: bool = True) -> str:
 def legend_html() -> str:
     items = "".join(f'<span class="ls-tok ls-{kind}">{html.escape(KIND_LABELS[kind])}</span>'
                     for kind in KINDS)
-    return f'<div class="ls-legend">{items}</div>'
+    lookup = ('<span class="ls-tok ls-by-ngram">dotted: guessed by n-gram lookup</span> '
+              "(hover a token: which drafter guessed it)")
+    return f'<div class="ls-legend">{items}{lookup}</div>'
 
 
 # ----------------------------------------------------------------------------- statistics
