@@ -106,16 +106,22 @@ def preset_path(name_or_path: str) -> Path | Traversable:
                       f"{user_presets_root()}")
 
 
-def save_user_preset(name: str, text: str, replace: bool = False) -> Path:
-    """Write ``text`` (a preset's TOML) as the user's preset ``name``, once it parses and
-    validates; PresetError for a name that is not a plain file stem, is a shipped preset's
-    or is taken (unless ``replace``), or for text that is not a valid preset."""
+def user_preset_file(name: str) -> Path:
+    """Where the user's preset ``name`` is saved; PresetError for a name that is not a plain
+    file stem or is a shipped preset's."""
     if not USER_PRESET_NAME.match(name):
         raise PresetError(f"preset name {name!r}: use letters, digits, '.', '_' and '-' (up to "
                           "64, starting with a letter or digit)")
     if name in shipped_preset_names():
         raise PresetError(f"'{name}' is a shipped preset's name: choose another name for yours")
-    path = user_presets_root() / f"{name}.toml"
+    return user_presets_root() / f"{name}.toml"
+
+
+def save_user_preset(name: str, text: str, replace: bool = False) -> Path:
+    """Write ``text`` (a preset's TOML) as the user's preset ``name``, once it parses and
+    validates; PresetError for a name that is not a plain file stem, is a shipped preset's
+    or is taken (unless ``replace``), or for text that is not a valid preset."""
+    path = user_preset_file(name)
     if path.exists() and not replace:
         raise PresetError(f"a preset '{name}' already exists ({path}): choose another name, or "
                           "delete that file first")

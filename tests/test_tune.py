@@ -147,3 +147,12 @@ def test_a_setting_whose_output_differs_is_never_chosen(
     ngram = [t for t in report["trials"] if t["settings"].startswith("ngram")]
     assert ngram and not any(t["identical"] for t in ngram)
     assert not report["searched"].startswith("ngram")
+
+
+@pytest.mark.parametrize(("name", "needle"), [("../escape", "use letters, digits"),
+                                              ("cpu-qwen-coder-draft", "shipped preset")])
+def test_a_bad_name_is_refused_before_loading(name: str, needle: str, presets: dict[str, str],
+                                              capsys: pytest.CaptureFixture[str],
+                                              no_loading: None) -> None:
+    assert_user_error(run_cli(capsys, "tune", "--preset", presets["draft"], "--name", name),
+                      needle)

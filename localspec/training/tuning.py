@@ -41,7 +41,7 @@ import torch
 from localspec.config import MAX_SPECULATIVE_TOKENS, Preset, parse_preset
 from localspec.errors import PresetError
 from localspec.pipeline import Pipeline, check_method
-from localspec.presets import preset_path, save_user_preset, user_presets_root
+from localspec.presets import preset_path, save_user_preset, user_preset_file
 from localspec.registry import AUTO, drafter_spec, method_names
 
 MARGIN = 0.03  # a candidate must be this much faster than the best so far to replace it
@@ -174,8 +174,8 @@ def tuned_name(preset_name: str) -> str:
 
 def check_name(name: str) -> bool:
     """Whether saving ``name`` replaces a preset tune made; PresetError (before anything is
-    measured) for a name another preset of the user's holds."""
-    path = user_presets_root() / f"{name}.toml"
+    measured) for a name that is no valid preset name or that another preset holds."""
+    path = user_preset_file(name)
     if not path.exists():
         return False
     try:
