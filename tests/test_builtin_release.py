@@ -84,3 +84,11 @@ def test_damaged_header_in_parts_is_a_clear_error(tiny_gguf: bytes, tmp_path: Pa
     part.write_bytes(tiny_gguf[:2000])  # the header runs past the end of every part
     with pytest.raises(ModelLoadError, match=r"fake\.gguf"):
         read_gguf_header_parts([part], tmp_path / "fake.gguf", len(tiny_gguf))
+
+
+def test_a_builtin_with_a_damaged_package_is_listed_with_the_reason(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_builtin([b"GGUF" + b"\xff" * 60], tmp_path, monkeypatch)
+    entry = next(e for e in library.builtin_entries() if e.name == "fake-model")
+    assert entry.facts is None and "fake-model.gguf" in (entry.error or "")
+    assert entry.size == 64

@@ -29,14 +29,15 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from localspec.config import data_root, models_root
 from localspec.errors import InputFileError, LocalSpecError, ModelLoadError
 from localspec.files import parse_json, read_user_text
-from localspec.models.builtin import BUILTIN_MODELS
+from localspec.models.builtin import BUILTIN_MODELS, BuiltinModel
 from localspec.models.cache import builtin_gguf_path, builtin_header
 from localspec.models.cache_use import CacheUse, cache_use, free_cache
 from localspec.models.describe import ModelFacts, check_model, describe, describe_gguf
@@ -79,10 +80,13 @@ class LibraryEntry:
                 "head_for": f.head_for if f else None, "error": self.error, "note": self.note}
 
 
-def _entry(name: str, source: str, model: str, path: Path, **extra: object) -> LibraryEntry:
-    """An entry described from its files; one whose files cannot be read carries the reason."""
+def _entry(name: str, source: str, model: str, path: Path | None,
+           facts: Callable[[], ModelFacts] | None = None, **extra: object) -> LibraryEntry:
+    """An entry described from its files (``facts``: how, else ``describe(path)``); one whose
+    files cannot be read carries the reason."""
     try:
-        return LibraryEntry(name, source, model, path, describe(path), **extra)  # type: ignore[arg-type]
+        found = facts() if facts is not None else describe(path)  # type: ignore[arg-type]
+        return LibraryEntry(name, source, model, path, found, **extra)  # type: ignore[arg-type]
     except (LocalSpecError, OSError) as exc:
         return LibraryEntry(name, source, model, path, error=str(exc), **extra)  # type: ignore[arg-type]
 
@@ -96,16 +100,16 @@ def builtin_entries() -> list[LibraryEntry]:
         path = builtin_gguf_path(model)
         if path.is_file():
             entries.append(_entry(model.name, "built-in", model.name, path))
-        else:
-            note = f"read from its packages ({model.description})"
-            try:
-                facts = describe_gguf(path, header=builtin_header(model))
-                entries.append(LibraryEntry(model.name, "built-in", model.name, None, facts,
-                                            note=note))
-            except (LocalSpecError, OSError) as exc:
-                entries.append(LibraryEntry(model.name, "built-in", model.name, None,
-                                            error=str(exc), size_bytes=model.size, note=note))
+        else:  # described from the header in its packages' first bytes
+            entries.append(_entry(model.name, "built-in", model.name, None,
+                                  partial(_builtin_facts, model, path),
+                                  size_bytes=model.size,
+                                  note=f"read from its packages ({model.description})"))
     return entries
+
+
+def _builtin_facts(model: BuiltinModel, path: Path) -> ModelFacts:
+    return describe_gguf(path, header=builtin_header(model))
 
 
 def _walk_models(root: Path, folder: Path, depth: int) -> Iterable[Path]:
