@@ -34,15 +34,14 @@ def _lines_html(lines: list[str]) -> str:
 
 def tune_here(app: ChatApp, session: str) -> Iterator[Update]:
     """Tune the loaded preset: (progress or result HTML, the dropdown's update) as it goes."""
-    key = app.host.status().active
     cancel = app.host.begin(f"{session}/tune")
     try:
         why_not = yield from app.wait_turn(cancel, lambda text: (notice_html(text), gr.update()))
-        if why_not is not None or key is None:
-            yield notice_html(why_not or "No preset is loaded."), gr.update()
+        if why_not is not None:
+            yield notice_html(why_not), gr.update()
             return
-        try:
-            yield from _tune(app, key)
+        try:  # the preset read with the turn held: a switch cannot come between
+            yield from _tune(app, app.host.status().active or "")
         finally:
             app.host.generation_lock.release()
     finally:
