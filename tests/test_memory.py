@@ -135,7 +135,9 @@ def test_app_memory_within_a_conversation_is_the_kv_cache() -> None:
     assert context[-1] > context[0] + 600  # one long conversation
     curve = ", ".join(f"{mb:.0f} (kv {k:.0f}, ctx {c})" for mb, k, c in zip(rss, kv, context,
                                                                              strict=True))
-    assert rss[-1] - rss[3] < kv[-1] - kv[3] + 8, f"RSS by answer (MB): {curve}"
+    # from the high-water mark of the first four answers, not answer 4 alone: one full-suite
+    # run's RSS dipped 6 MB there (716, 716, 710, 716 ...) and the check measured from the dip
+    assert rss[-1] - max(rss[:4]) < kv[-1] - kv[3] + 8, f"RSS by answer (MB): {curve}"
 
 
 @pytest.mark.real_model
