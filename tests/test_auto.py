@@ -15,8 +15,13 @@ import pytest
 import test_engine_sampling
 import torch
 from conftest import collect, decode, draft_drafter
-from engine_helpers import GREEDY, HOT, MAX_NEW, PROMPTS, Gate, plain_tokens, request
-from test_engine_sampling import STAT_PROMPT, STAT_VOCAB, chi_square, chi_square_critical
+from engine_helpers import GREEDY, MAX_NEW, PROMPTS, Gate, plain_tokens, request
+from test_engine_sampling import (
+    STAT_VOCAB,
+    chi_square,
+    chi_square_critical,
+    first_two_counts,
+)
 from transformers import PreTrainedModel
 
 import localspec.engine.verify as verify_module
@@ -187,16 +192,8 @@ def mixed_counts(target: PreTrainedModel, draft: PreTrainedModel, seeds: range
                  ) -> tuple[torch.Tensor, torch.Tensor, set[Any]]:
     drafter = MultiDrafter([OneHotSometimes(),
                             DraftModelDrafter(ModelRunner(draft), STAT_VOCAB, STAT_VOCAB)])
-    engine = SpeculativeEngine(ModelRunner(target), drafter, decode, set())
-    counts = torch.zeros(2, STAT_VOCAB, dtype=torch.long)
-    names = set()
-    for seed in seeds:
-        tokens, events = collect(engine, request(STAT_PROMPT, k=3, max_new_tokens=2,
-                                                 sampling=HOT, seed=seed))
-        counts[0, tokens[0]] += 1
-        counts[1, tokens[1]] += 1
-        names |= {e.drafter for e in events if e.drafted}
-    return counts[0], counts[1], names
+    first, second, stats = first_two_counts(target, drafter, seeds)
+    return first, second, set(stats.drafters())
 
 
 def test_mixed_drafters_sample_the_targets_distribution(stat_models: tuple) -> None:

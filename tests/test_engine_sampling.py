@@ -14,6 +14,7 @@ from engine_helpers import HOT, PROMPTS, plain_tokens, request
 from transformers import PreTrainedModel
 
 import localspec.engine.verify as verify_module
+from localspec.drafters.base import Drafter
 from localspec.drafters.draft_model import DraftModelDrafter
 from localspec.engine.engine import SpeculativeEngine
 from localspec.engine.stats import GenerationStats
@@ -92,10 +93,12 @@ def stat_models() -> tuple[PreTrainedModel, PreTrainedModel, torch.Tensor, torch
     return target, draft, p1, p2
 
 
-def first_two_counts(target: PreTrainedModel, draft: PreTrainedModel | None, seeds: range
-                     ) -> tuple[torch.Tensor, torch.Tensor, GenerationStats]:
-    drafter = None
-    if draft is not None:
+def first_two_counts(target: PreTrainedModel, draft: PreTrainedModel | Drafter | None,
+                     seeds: range) -> tuple[torch.Tensor, torch.Tensor, GenerationStats]:
+    """How often each token comes first and second, over ``seeds``; ``draft`` a draft model
+    (drafting over the whole vocabulary), a drafter, or None (plain decoding)."""
+    drafter = draft
+    if isinstance(draft, PreTrainedModel):
         drafter = DraftModelDrafter(ModelRunner(draft), STAT_VOCAB, STAT_VOCAB)
     engine = SpeculativeEngine(ModelRunner(target), drafter, decode, set())
     counts = torch.zeros(2, STAT_VOCAB, dtype=torch.long)
