@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -27,13 +28,40 @@ def prompts_file(tmp_path: Path) -> str:
     return str(path)
 
 
+def tune_report(capsys: pytest.CaptureFixture[str], tmp_path: Path, preset: str,
+                tokens: int = 4, repeats: int = 1) -> dict:
+    """``tune --json`` of ``preset`` on the test prompts (exit status 0): its report."""
+    code, out, err = run_cli(capsys, "tune", "--preset", preset, "--prompts",
+                             prompts_file(tmp_path), "--max-new-tokens", str(tokens),
+                             "--repeats", str(repeats), "--json")
+    assert code == 0, err
+    return json.loads(out)
+
+
+def fake_timing(monkeypatch: pytest.MonkeyPatch,
+                rate: Callable[[tuning.Settings, int], float],
+                differs: Callable[[tuning.Settings], bool] = lambda _s: False) -> None:
+    """``tuning.measure`` runs for real, but its seconds come from ``rate`` (tokens a second,
+    by settings and how many times they ran), and the first output's last token is changed
+    where ``differs``."""
+    runs: dict[tuning.Settings, int] = {}
+    real = tuning.measure
+
+    def timed(pipe: object, s: tuning.Settings, encoded: list[list[int]], max_new: int,
+              into: tuning.Measured | None = None) -> tuning.Measured:
+        m = real(pipe, s, encoded, max_new, into)  # type: ignore[arg-type]
+        runs[s] = runs.get(s, 0) + 1
+        m.seconds = m.tokens / rate(s, runs[s])
+        if differs(s):
+            m.outputs[0] = [*m.outputs[0][:-1], m.outputs[0][-1] + 1]
+        return m
+
+    monkeypatch.setattr(tuning, "measure", timed)
+
+
 def test_tune_writes_a_valid_preset_never_slower_than_its_start(
         presets: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = run_cli(capsys, "tune", "--preset", presets["draft"], "--prompts",
-                             prompts_file(tmp_path), "--max-new-tokens", "8", "--repeats", "1",
-                             "--json")
-    assert code == 0, err
-    report = json.loads(out)
+    report = tune_report(capsys, tmp_path, presets["draft"], tokens=8)
     name = Path(presets["draft"]).stem + "-tuned"
     assert report["name"] == name and Path(report["saved"]).parent == user_presets_root()
     assert [int(w) for w in report["pass_ms"]] == list(range(1, 18))
@@ -60,23 +88,9 @@ def test_a_fast_looking_candidate_slower_in_the_final_comparison_is_not_kept(
     """Seconds faked per setting: k = 16 looks three times as fast in the search (its first
     run) and is half as fast in the before/after rounds: the search picks it, the final rounds
     drop it, and the saved preset keeps the starting settings."""
-    runs: dict[tuning.Settings, int] = {}
-    real = tuning.measure
-
-    def timed(pipe: object, s: tuning.Settings, encoded: list[list[int]], max_new: int,
-              into: tuning.Measured | None = None) -> tuning.Measured:
-        m = real(pipe, s, encoded, max_new, into)  # type: ignore[arg-type]
-        runs[s] = runs.get(s, 0) + 1
-        rate = (300.0 if runs[s] == 1 else 50.0) if s.k == 16 else 100.0
-        m.seconds = m.tokens / rate
-        return m
-
-    monkeypatch.setattr(tuning, "measure", timed)
-    code, out, err = run_cli(capsys, "tune", "--preset", presets["draft"], "--prompts",
-                             prompts_file(tmp_path), "--max-new-tokens", "6", "--repeats", "2",
-                             "--json")
-    assert code == 0, err
-    report = json.loads(out)
+    fake_timing(monkeypatch, lambda s, run: (300.0 if run == 1 else 50.0) if s.k == 16
+                else 100.0)
+    report = tune_report(capsys, tmp_path, presets["draft"], tokens=6, repeats=2)
     start = tuning.settings_of(load_preset(presets["draft"]))
     assert report["searched"] == dataclasses.replace(start, k=16).label()
     assert report["after"]["settings"] == start.label()
@@ -114,12 +128,9 @@ def test_an_auto_preset_with_listed_drafters_tunes_every_method(
     for method in tuning.runnable_methods(preset):
         s = dataclasses.replace(tuning.settings_of(preset), method=method)
         assert tuning.with_settings(preset, s).speculative_config.method == method
-    code, out, err = run_cli(capsys, "tune", "--preset", str(source), "--prompts",
-                             prompts_file(tmp_path), "--max-new-tokens", "4", "--repeats", "1",
-                             "--json")
-    assert code == 0, err
-    saved = load_preset(json.loads(out)["name"])
-    assert ("drafters" in Path(json.loads(out)["saved"]).read_text(encoding="utf-8")) == (
+    report = tune_report(capsys, tmp_path, str(source))
+    saved = load_preset(report["name"])
+    assert ("drafters" in Path(report["saved"]).read_text(encoding="utf-8")) == (
         saved.speculative_config.method == "auto")
 
 
@@ -128,22 +139,9 @@ def test_a_setting_whose_output_differs_is_never_chosen(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """n-gram lookup made three times as fast, but with an output that differs from plain
     decoding's (as a near-tie on a float path may): reported, not chosen."""
-    real = tuning.measure
-
-    def timed(pipe: object, s: tuning.Settings, encoded: list[list[int]], max_new: int,
-              into: tuning.Measured | None = None) -> tuning.Measured:
-        m = real(pipe, s, encoded, max_new, into)  # type: ignore[arg-type]
-        m.seconds = m.tokens / (300.0 if s.method == "ngram" else 100.0)
-        if s.method == "ngram":
-            m.outputs[0] = [*m.outputs[0][:-1], m.outputs[0][-1] + 1]
-        return m
-
-    monkeypatch.setattr(tuning, "measure", timed)
-    code, out, err = run_cli(capsys, "tune", "--preset", presets["draft"], "--prompts",
-                             prompts_file(tmp_path), "--max-new-tokens", "4", "--repeats", "1",
-                             "--json")
-    assert code == 0, err
-    report = json.loads(out)
+    fake_timing(monkeypatch, lambda s, _run: 300.0 if s.method == "ngram" else 100.0,
+                differs=lambda s: s.method == "ngram")
+    report = tune_report(capsys, tmp_path, presets["draft"])
     ngram = [t for t in report["trials"] if t["settings"].startswith("ngram")]
     assert ngram and not any(t["identical"] for t in ngram)
     assert not report["searched"].startswith("ngram")
