@@ -193,7 +193,8 @@ class SpeculativeEngine:
             k, used, proposal, draft_times = self._draft(members, choice, context,
                                                          max_new - generated, params, generator)
             if shadows is not None:
-                self._shadow(members, used, choice, shadows, context, params, generator)
+                self._shadow(members, set(draft_times), choice, shadows, context, params,
+                             generator)
             t1 = time.perf_counter()
             drafts = proposal.tokens
             logits = self.target.forward([context[-1], *drafts])  # [len(drafts) + 1, vocab]
@@ -268,12 +269,13 @@ class SpeculativeEngine:
         return k, None, Proposal([]), times
 
     @staticmethod
-    def _shadow(members: Sequence[Drafter], used: int | None, choice: DrafterChoice,
+    def _shadow(members: Sequence[Drafter], asked: set[int], choice: DrafterChoice,
                 shadows: Shadows, context: list[int], params: SamplingParams,
                 generator: torch.Generator) -> None:
-        """Ask each free drafter that did not draft this step what it would have drafted."""
+        """Ask each free drafter not ``asked`` this step (one asked drafted, or had nothing)
+        what it would have drafted."""
         for i, member in enumerate(members):
-            if member.free and i != used:
+            if member.free and i not in asked:
                 start = time.perf_counter()
                 guess = member.propose(context, choice.k_max, params, generator)
                 shadows.add(i, len(context), guess.tokens, time.perf_counter() - start)
