@@ -1,20 +1,14 @@
-"""LocalSpec's configuration: every name, limit and default, in one torch-free module.
+"""LocalSpec's configuration: every name, limit and default, in one torch-free module (reading
+a preset costs milliseconds).
 
-The single source of truth for what a preset or a request may say: dtypes, devices,
-quantizations, hardware classes, the bounds of every setting and their defaults; speculative
-methods are validated against the drafter registry (``localspec.registry``), read when a preset
-is checked, so a method registered there is a valid choice here with no list to update. The
-preset schema is a set of frozen pydantic models (``extra="forbid"``, ``Literal`` choices,
-numeric bounds, finite floats only), as vLLM does for its ``SpeculativeConfig``; the engine, the
-model loader, the command line and the app's controls all read their choices and limits from
-here, and everything below the edge trusts a validated object.
-
-``[speculative_config]`` keeps vLLM's keys and meanings (``method``, ``model``,
-``num_speculative_tokens``, ``prompt_lookup_max``, ``prompt_lookup_min``, ``quantization``), so
-the same table can go to ``vllm serve --speculative-config``; LocalSpec's own knobs live in
-``[localspec]``.
-
-This module imports neither torch nor transformers: reading a preset costs milliseconds.
+What a preset or a request may say: dtypes, devices, quantizations, hardware classes, the
+bounds of every setting and their defaults; methods are checked against the drafter registry
+(``localspec.registry``), so a method registered there is valid here with no list to update.
+The schema is frozen pydantic models (``extra="forbid"``, ``Literal`` choices, numeric bounds,
+finite floats only), as vLLM's ``SpeculativeConfig``; the engine, the loader, the command line
+and the app read their choices and limits from here, and all below the edge trusts a validated
+object. ``[speculative_config]`` keeps vLLM's keys and meanings, so the same table can go to
+``vllm serve --speculative-config``; LocalSpec's own knobs live in ``[localspec]``.
 """
 
 from __future__ import annotations
@@ -79,8 +73,7 @@ HARDWARE_LABELS = {"cpu": "CPU", "gpu-8gb": "GPU 8 GB", "gpu-12gb": "GPU 12 GB",
 DEFAULT_PRESET = "cpu-qwen-coder-draft"
 # where train-drafter takes its documents' answers: as written, or the target's own
 ANSWER_SOURCES: tuple[str, ...] = ("corpus", "target")
-# Heads shipped inside the package (localspec/data/heads/<name>/), by the name a preset's
-# [speculative_config] model gives, with the built-in target each was trained for.
+# Heads shipped in the package (localspec/data/heads/<name>/) by name, with their targets.
 BUILTIN_HEADS: dict[str, str] = {"qwen2.5-coder-1.5b-eagle3": "qwen2.5-coder-1.5b-instruct",
                                   "qwen2.5-coder-1.5b-medusa": "qwen2.5-coder-1.5b-instruct"}
 
@@ -259,6 +252,7 @@ class LocalSpecConfig(BaseModel):
     lookup_first: bool = False  # n-gram lookup first, the draft model or head on a miss
     # method "auto"'s members (none listed: registry.members_of's; checked by check_members)
     drafters: Annotated[tuple[Method, ...], Field(strict=False)] = ()
+    head: NonEmpty | None = None  # auto's head beside the draft model [speculative_config] names
     # CUDA only, experimental: static KV caches of DEFAULT_CONTEXT tokens and every forward of
     # up to 32 tokens (target and draft) replayed as a CUDA graph, compiled once per width
     cuda_graphs: bool = False
@@ -296,9 +290,15 @@ class Preset(BaseModel):
 
     @model_validator(mode="after")
     def _members(self) -> Preset:
-        sc, listed = self.speculative_config, self.localspec.drafters
-        check_members(sc.method, listed, self.drafter_methods(), sc.model is not None)
+        sc, ls = self.speculative_config, self.localspec
+        check_members(sc.method, ls.drafters, self.drafter_methods(), sc.model is not None,
+                      ls.head is not None)
         return self
+
+    def head_source(self) -> str:
+        """The head a head drafter reads: ``[localspec] head``, else ``[speculative_config]
+        model``."""
+        return self.localspec.head or self.speculative_config.model or ""
 
     def drafter_methods(self, method: str | None = None) -> tuple[str, ...]:
         """The drafters an engine for ``method`` (default: the preset's) runs (members_of)."""
@@ -308,8 +308,8 @@ class Preset(BaseModel):
 
     def draft_spec(self) -> ModelSpec | None:
         """The draft model to load (None when ``model`` is absent or names a head)."""
-        sc = self.speculative_config
-        if sc.model is None or "head" in (drafter_spec(m).needs for m in self.drafter_methods()):
+        sc, needs = self.speculative_config, {drafter_spec(m).needs for m in self.drafter_methods()}
+        if sc.model is None or ("head" in needs and self.localspec.head is None):
             return None
         return ModelSpec(sc.model, dtype=self.localspec.draft_dtype, device=self.target.device,
                          quantization=sc.quantization)

@@ -176,11 +176,12 @@ def trainable_methods() -> tuple[str, ...]:
 
 
 def check_members(method: str, listed: tuple[str, ...], members: tuple[str, ...],
-                  has_model: bool) -> None:
+                  has_model: bool, has_head: bool = False) -> None:
     """ValueError unless ``members``, of a preset of ``method`` that lists ``listed`` in
     [localspec] drafters, can be the drafters of one engine: a list only for "auto";
-    registered drafters (not plain decoding, not "auto"), each once, and at most one that
-    needs ``[speculative_config] model`` (a preset names one draft model or head), named."""
+    registered drafters (not plain decoding, not "auto"), each once; at most one draft model
+    and one head, each named: a lone one by ``[speculative_config] model``, a head beside a
+    draft model by ``[localspec] head`` (``has_head``), which only that pair reads."""
     if listed and method != AUTO:
         raise ValueError(f"[localspec] drafters lists the members of method '{AUTO}', and "
                          f"[speculative_config] method is '{method}'")
@@ -190,14 +191,23 @@ def check_members(method: str, listed: tuple[str, ...], members: tuple[str, ...]
                              f"such as 'ngram', 'draft_model', 'eagle3'")
     if len(set(members)) < len(members):
         raise ValueError(f"[localspec] drafters lists a drafter twice: {list(members)}")
-    needing = [name for name in members if drafter_spec(name).needs != "nothing"]
-    if len(needing) > 1:
-        raise ValueError(f"[localspec] drafters: {' and '.join(needing)} both need "
-                         "[speculative_config] model, and a preset names one draft model or "
-                         "head: keep one of them")
+    needing = {drafter_spec(name).needs: name for name in members
+               if drafter_spec(name).needs != "nothing"}
+    heads = [name for name in members if drafter_spec(name).needs == "head"]
+    if len(heads) > 1:
+        raise ValueError(f"[localspec] drafters: {' and '.join(heads)} are both heads, and a "
+                         "preset names one head: keep one of them")
     if needing and not has_model:
-        raise ValueError(f"[localspec] drafters: '{needing[0]}' needs [speculative_config] "
-                         "model (the draft model or head to load)")
+        raise ValueError(f"[localspec] drafters: '{next(iter(needing.values()))}' needs "
+                         "[speculative_config] model (the draft model or head to load)")
+    if len(needing) == 2 and not has_head:
+        raise ValueError(f"[localspec] drafters: '{needing['head']}' beside a draft model "
+                         "needs [localspec] head (the head to load; [speculative_config] model "
+                         "is the draft model)")
+    if has_head and len(needing) < 2:
+        raise ValueError("[localspec] head names the head of an 'auto' preset that also lists "
+                         "'draft_model' in [localspec] drafters; otherwise name the head in "
+                         "[speculative_config] model")
 
 
 def members_of(method: str, preset_method: str, has_model: bool, listed: tuple[str, ...],

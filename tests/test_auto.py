@@ -239,6 +239,9 @@ def test_auto_members_default_and_listed() -> None:
     lookup = parse_preset(preset("draft_model", lookup_first=True))
     assert lookup.drafter_methods() == ("ngram", "draft_model")
     assert parse_preset(preset("none", model=None)).drafter_methods() == ()
+    three = parse_preset(preset(drafters=["ngram", "eagle3", "draft_model"], head="some/head"))
+    assert three.draft_spec() is not None and three.draft_spec().model == "some/draft"
+    assert three.head_source() == "some/head" and head.head_source() == "some/draft"
 
 
 @pytest.mark.parametrize(("data", "needle"), [
@@ -246,7 +249,11 @@ def test_auto_members_default_and_listed() -> None:
     (preset(drafters=["none"]), "'none' is not a drafter"),
     (preset(drafters=["auto", "ngram"]), "'auto' is not a drafter"),
     (preset(drafters=["ngram", "ngram"]), "lists a drafter twice"),
-    (preset(drafters=["draft_model", "eagle3"]), "draft_model and eagle3 both need"),
+    (preset(drafters=["draft_model", "eagle3"]), "'eagle3' beside a draft model needs "
+                                                 "[localspec] head"),
+    (preset(drafters=["medusa", "eagle3"], head="h"), "medusa and eagle3 are both heads"),
+    (preset(drafters=["ngram", "eagle3"], head="h"), "[localspec] head names the head of"),
+    (preset("eagle3", head="h"), "[localspec] head names the head of"),
     (preset(model=None, drafters=["ngram", "medusa"]), "'medusa' needs [speculative_config] model"),
     (preset("ngram", drafters=["ngram"]), "lists the members of method 'auto'"),
 ])

@@ -34,6 +34,7 @@ from transformers import (
 
 from localspec.cli.export import export_vllm
 from localspec.cli.main import main
+from localspec.config import parse_preset
 from localspec.drafters.eagle_head import EagleHead, EagleSpec
 from localspec.errors import ModelLoadError
 from localspec.models.builtin import BUILTIN_MODELS
@@ -267,6 +268,20 @@ def test_builtin_heads_are_estimated_at_their_real_size(name: str, least: float,
     """A built-in head counts as the files it ships (the Medusa heads read the target's LM
     head: a published Medusa head's shape would add ~2 GB)."""
     assert least <= estimate_preset(load_preset(name)).draft_weights <= most
+
+
+def test_auto_counts_each_members_weights() -> None:
+    """"auto" holds every member's weights: the draft model's (and its KV cache) as the draft
+    preset does, and a head's beside it."""
+    draft = estimate_preset(load_preset("cpu-qwen-coder-draft"))
+    auto = load_preset("cpu-qwen-coder-auto")
+    assert estimate_preset(auto).draft_weights == draft.draft_weights
+    assert estimate_preset(auto).kv_cache == draft.kv_cache
+    data = auto.model_dump()
+    data["localspec"] |= {"drafters": ["ngram", "eagle3", "draft_model"],
+                          "head": "qwen2.5-coder-1.5b-eagle3"}
+    both = estimate_preset(parse_preset(data))
+    assert 39e6 <= both.draft_weights - draft.draft_weights <= 40e6
 
 
 def test_fits_reasons() -> None:

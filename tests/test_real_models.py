@@ -17,7 +17,7 @@ import torch
 from localspec.cli import check
 from localspec.cli.bench import load_prompts
 from localspec.cli.check import P_VALUE_THRESHOLD, check_greedy, check_sampling
-from localspec.config import ModelSpec
+from localspec.config import ModelSpec, parse_preset
 from localspec.drafters.multi import MultiDrafter
 from localspec.engine.engine import GenerationError
 from localspec.models.builtin import BUILTIN_MODELS
@@ -105,6 +105,24 @@ def test_builtin_head_is_lossless_and_accepted(qwen_pair: Pipeline, preset: str,
                       engine=pipe.engine_with(drafter.members[-1]))
     assert result.token_ids == plain.token_ids
     assert result.stats.mean_accepted_length > least
+
+
+def test_auto_with_head_and_draft_model_is_lossless(qwen_pair: Pipeline) -> None:
+    """"auto" with lookup, the built-in EAGLE-3 head ([localspec] head) and the 0.5B draft
+    model ([speculative_config] model): all three load onto the loaded models and the answer
+    is the target's own."""
+    data = load_preset("cpu-qwen-coder-auto").model_dump()
+    data["localspec"] |= {"drafters": ["ngram", "eagle3", "draft_model"],
+                          "head": "qwen2.5-coder-1.5b-eagle3"}
+    pipe = Pipeline.load(parse_preset(data), previous=qwen_pair)
+    assert pipe.target is qwen_pair.target and pipe.draft is qwen_pair.draft
+    drafter = pipe.engine().drafter
+    assert isinstance(drafter, MultiDrafter)
+    assert [m.name for m in drafter.members] == ["ngram", "eagle3", "draft_model"]
+    ids = pipe.encode_prompt("Explain in two sentences what a hash table is.")
+    plain = pipe.run(pipe.request(ids, max_new_tokens=48), "none")
+    result = pipe.run(pipe.request(ids, max_new_tokens=48))
+    assert result.token_ids == plain.token_ids and result.stats.drafted > 0
 
 
 def test_ngram_copies_code_on_real_model(qwen_pair: Pipeline) -> None:

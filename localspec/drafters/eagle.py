@@ -123,9 +123,9 @@ class EagleDrafter(Drafter):
 
 def _build(ctx: BuildContext, kind: str) -> EagleDrafter:
     """An EAGLE (``kind`` "eagle") or EAGLE-3 ("eagle3") drafter over the target's runner, its
-    head read from ``[speculative_config] model`` (ModelLoadError if it is not such a head for
+    head read from ``Preset.head_source()`` (ModelLoadError if it is not such a head for
     this target)."""
-    files = read_head(ctx.preset.speculative_config.model or "")
+    files = read_head(ctx.preset.head_source())
     runner = ctx.target_runner()
     head, layers = load_eagle_head(files, kind, runner)
     return EagleDrafter(head, runner, layers, ctx.preset.localspec.draft_confidence_threshold)

@@ -87,7 +87,7 @@ class MedusaDrafter(Drafter):
 def build(ctx: BuildContext) -> MedusaDrafter:
     """The drafter of method "medusa" over the target's runner, its heads read from
     ``[speculative_config] model`` (ModelLoadError if they are not heads for this target)."""
-    files = read_head(ctx.preset.speculative_config.model or "")
+    files = read_head(ctx.preset.head_source())
     runner = ctx.target_runner()
     heads = load_medusa_heads(files, runner)
     return MedusaDrafter(heads, runner, ctx.preset.localspec.draft_confidence_threshold)

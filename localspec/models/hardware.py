@@ -269,16 +269,17 @@ def estimate_preset(preset: Preset, context: int = DEFAULT_CONTEXT) -> MemoryEst
     kv = kv_cache_bytes(target, ctx, preset.target.dtype)
     draft_bytes = 0
     draft_spec = preset.draft_spec()
-    sc = preset.speculative_config
-    needs = drafter_spec(sc.method).needs
-    if draft_spec is not None and needs == "draft_model":
-        draft = architecture(draft_spec.model)
-        draft_bytes = weight_bytes(draft, draft_spec.quantization, draft_spec.dtype)
-        kv += kv_cache_bytes(draft, ctx, draft_spec.dtype)
-    elif needs == "head":
-        draft_bytes = shipped_head_bytes(sc.model) or head_weight_bytes(target, sc.method)
-    else:  # a drafter with weights of its own (none of the built-in ones)
-        draft_bytes = head_weight_bytes(target, sc.method)
+    for method in preset.drafter_methods():  # "auto": each member's
+        needs = drafter_spec(method).needs
+        if draft_spec is not None and needs == "draft_model":
+            draft = architecture(draft_spec.model)
+            draft_bytes += weight_bytes(draft, draft_spec.quantization, draft_spec.dtype)
+            kv += kv_cache_bytes(draft, ctx, draft_spec.dtype)
+        elif needs == "head":
+            head = preset.head_source()
+            draft_bytes += shipped_head_bytes(head) or head_weight_bytes(target, method)
+        else:  # a drafter with weights of its own (none of the built-in ones)
+            draft_bytes += head_weight_bytes(target, method)
     overhead = RUNTIME_OVERHEAD + int(WEIGHT_MARGIN * (target_bytes + draft_bytes))
     return MemoryEstimate(target_bytes, draft_bytes, kv, overhead, ctx, runs_on_gpu(preset))
 
