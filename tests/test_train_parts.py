@@ -1,8 +1,8 @@
 """Training a draft head, its parts on their own: the corpus reader's bounds (in total, and a
-folder that cannot be listed), the answer cache past a line cut short, the batched
-training-time-test forward equal to the drafter's forward, the default head sizes within the
-40 MB budget for the bundled 1.5B, the default corpus and vocabulary, and gradients that reach
-the head alone from a seeded start."""
+folder that cannot be listed), ``.jsonl`` requests and sources interleaved, the answer cache
+past a line cut short, the batched training-time-test forward equal to the drafter's forward,
+the default head sizes within the 40 MB budget for the bundled 1.5B, the default corpus and
+vocabulary, and gradients that reach the head alone from a seeded start."""
 
 from __future__ import annotations
 
@@ -67,6 +67,27 @@ def test_corpus_folder_that_cannot_be_listed(tmp_path: Path,
     with pytest.raises(InputFileError, match=f"--corpus {tmp_path}: cannot read /proc/1/cwd: "
                                              "Permission denied"):
         user_documents([str(tmp_path)])
+
+
+def test_corpus_requests_file_and_interleaved_sources(tmp_path: Path) -> None:
+    """A ``.jsonl`` file gives one request per line (the answer optional only when the target
+    answers); several sources alternate, ``stdlib`` among them, so a budget takes from
+    each."""
+    requests = tmp_path / "chat.jsonl"
+    requests.write_text('{"prompt": "Why is the sky blue?"}\n\n'
+                        '{"prompt": "Hi", "answer": "Hello!"}\n', encoding="utf-8")
+    with pytest.raises(InputFileError, match=r"chat.jsonl:1: a request without an \"answer\""):
+        user_documents([str(requests)])
+    docs = list(user_documents([str(requests)], answered=False))
+    assert [(d.prompt, d.text) for d in docs] == [("Why is the sky blue?", ""), ("Hi", "Hello!")]
+    mixed = list(user_documents([str(requests), "stdlib"], answered=False))
+    stdlib = default_documents()
+    assert mixed[:4] == [docs[0], next(stdlib), docs[1], next(stdlib)]
+    for bad, why in (('["Hi"]', "expected"), ('{"prompt": ""}', "expected"),
+                     ('{"prompt": "Hi", "answer": 3}', "expected"), ("{oops", "not JSON")):
+        requests.write_text(f'{{"prompt": "ok"}}\n{bad}\n', encoding="utf-8")
+        with pytest.raises(InputFileError, match=f"chat.jsonl, line 2: {why}"):
+            user_documents([str(requests)], answered=False)
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])

@@ -64,8 +64,9 @@ def add_train_drafter(sub: argparse._SubParsersAction, handler: Handler) -> None
                        help="folder for the head (config.json, model.safetensors), its "
                             "checkpoint and training.json")
     train.add_argument("--corpus", action="extend", nargs="+", default=None, metavar="PATH",
-                       help=".py/.txt/.md/.rst files or folders (default: the Python "
-                            "standard library's sources)")
+                       help=".py/.txt/.md/.rst files, .jsonl requests, folders, or stdlib "
+                            "(the Python standard library's sources, the default); several "
+                            "are interleaved")
     train.add_argument("--format", choices=("auto", "chat", "raw"), default="auto",
                        help="wrap documents in the target's chat template (auto: when it has "
                             "one) or feed raw text")

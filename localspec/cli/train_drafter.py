@@ -18,7 +18,7 @@ import argparse
 import json
 import shlex
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,7 +68,7 @@ class TrainPlan:
     preset: Preset  # its target is the one trained for
     method: str
     out: Path
-    documents: list[Document] | None  # None: the standard library, read lazily
+    documents: Iterable[Document] | None  # None: the standard library, read lazily
     shape: HeadShape
     config: TrainConfig
     resume: bool
@@ -112,7 +112,8 @@ def plan_training(args: argparse.Namespace) -> TrainPlan:
         raise ConfigError("--answers target needs requests to answer: it works with the chat "
                           "format, not --format raw")
     preset = _target_preset(args)
-    documents = read_corpus(args.corpus) if args.corpus else None
+    documents = (read_corpus(args.corpus, answered=args.answers == "corpus") if args.corpus
+                 else None)
     out = _writable_folder(args.out)
     checkpoint = Checkpoint(out / "checkpoint")
     if args.resume and not checkpoint.exists:

@@ -17,22 +17,27 @@ would be another distribution (no template tokens, no code fence, no request to 
 User files (``--corpus PATH ...``): ``.py`` files are read like the standard library (functions
 without a docstring are asked for by name); ``.txt``, ``.md`` and ``.rst`` files are cut at
 blank lines into pieces of about ``TEXT_PIECE`` characters, each asked for as "the next part"
-of its file. Folders are searched recursively. Each file is read as any user's file (regular
-files only, bounded); together they may hold at most ``MAX_CORPUS_BYTES``, checked from their
-sizes before any is read. The target's own answers to the same requests (self-distillation,
-``--answers target``) are made in ``answers.py``.
+of its file; ``.jsonl`` files hold one request per line, ``{"prompt": ..., "answer": ...}``
+(the answer may be left out with ``--answers target``, which has the target write it). Folders
+are searched recursively; the name ``stdlib`` is the default corpus. Several sources are
+interleaved document by document, so that a token budget takes from each of them. Each file
+is read as any user's file (regular files only, bounded); together they may hold at most
+``MAX_CORPUS_BYTES``, checked from their sizes before any is read. The target's own answers
+to the same requests (self-distillation, ``--answers target``) are made in ``answers.py``.
 """
 
 from __future__ import annotations
 
 import ast
 import hashlib
+import json
 import logging
 import os
 import sysconfig
 import textwrap
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from itertools import chain, zip_longest
 from pathlib import Path
 
 from jinja2.exceptions import TemplateError
@@ -49,6 +54,8 @@ MAX_SOURCE_CHARS = 6000  # longer functions are skipped (one would fill several 
 MAX_FILE_BYTES = 400_000  # generated tables (pydoc_data/topics.py) are skipped
 TEXT_PIECE = 2000  # characters per piece of a text file
 TEXT_SUFFIXES = (".txt", ".md", ".rst")
+REQUESTS_SUFFIX = ".jsonl"  # one request (and its answer, if written) per line
+STDLIB = "stdlib"  # the --corpus name of the default corpus
 SKIP_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages",
                        "__pycache__", "lib2to3", "turtledemo", "ensurepip", "pydoc_data",
                        "encodings"})
@@ -142,47 +149,85 @@ def default_documents() -> Iterator[Document]:
             yield from python_documents(path.name, source)
 
 
-def _user_files(paths: list[str]) -> list[Path]:
-    """Files named (whatever they are: reading refuses what is not a regular file) or found
-    under the folders named (regular files with a known suffix); InputFileError for a missing
-    path, or for more than ``MAX_CORPUS_BYTES`` in all."""
-    files: list[Path] = []
-    name = " ".join(paths)
+def request_documents(name: str, text: str) -> Iterator[Document]:
+    """One request per line of a ``.jsonl`` file: ``{"prompt": str, "answer": str}``, the answer
+    optional (empty: the target writes it); InputFileError names a line that is not one."""
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise InputFileError(f"{name}, line {number}: not JSON ({exc.msg})") from exc
+        prompt = row.get("prompt") if isinstance(row, dict) else None
+        answer = row.get("answer", "") if isinstance(row, dict) else None
+        if not isinstance(prompt, str) or not prompt.strip() or not isinstance(answer, str):
+            raise InputFileError(f'{name}, line {number}: expected {{"prompt": "...", '
+                                 f'"answer": "..."}} (the answer may be left out)')
+        yield Document(f"{name}:{number}", prompt, answer)
+
+
+def _files_of(name: str) -> list[Path]:
+    """The file named (whatever it is: reading refuses what is not a regular file) or the
+    files with a known suffix under the folder named; InputFileError when it is missing."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        try:
+            return sorted(p for p in path.rglob("*") if p.is_file()
+                          and p.suffix in (".py", REQUESTS_SUFFIX, *TEXT_SUFFIXES))
+        except OSError as exc:  # something under it that cannot be listed
+            raise InputFileError(f"--corpus {name}: cannot read {exc.filename or name}: "
+                                 f"{exc.strerror or exc}") from exc
+    if os.path.lexists(path):
+        return [path]
+    raise InputFileError(f"--corpus {name}: no such file or folder")
+
+
+def _read_source(name: str, answered: bool) -> list[Document]:
+    """The documents of one ``--corpus`` argument (a file or a folder); with ``answered``,
+    InputFileError for a request without its answer."""
+    documents: list[Document] = []
+    for path in _files_of(name):
+        text = read_user_text(str(path), "corpus file")
+        if path.suffix == ".py":
+            documents += python_documents(str(path), text)
+        elif path.suffix == REQUESTS_SUFFIX:
+            requests = list(request_documents(str(path), text))
+            missing = next((d.name for d in requests if answered and not d.text), None)
+            if missing:
+                raise InputFileError(f"{missing}: a request without an \"answer\": write "
+                                     "one, or let the target answer with --answers target")
+            documents += requests
+        else:
+            documents += text_documents(str(path), text)
+    return documents
+
+
+def user_documents(paths: list[str], answered: bool = True) -> Iterable[Document]:
+    """The documents of the user's sources, interleaved one by one (``stdlib`` read lazily,
+    the files read now: bad input is found before any model loads); InputFileError for a
+    missing or non-UTF-8 file, more than ``MAX_CORPUS_BYTES`` in all, no text at all, or (with
+    ``answered``: the written answers are trained on) a request without its answer."""
+    files = [p for name in paths if name != STDLIB for p in _files_of(name)]
     try:
-        for name in paths:
-            path = Path(name).expanduser()
-            if path.is_dir():
-                files += sorted(p for p in path.rglob("*") if p.is_file()
-                                and p.suffix in (".py", *TEXT_SUFFIXES))
-            elif os.path.lexists(path):
-                files.append(path)
-            else:
-                raise InputFileError(f"--corpus {name}: no such file or folder")
         total = sum(p.stat().st_size for p in files if p.is_file())
-    except OSError as exc:  # a folder, or something under it, that cannot be listed
-        raise InputFileError(f"--corpus {name}: cannot read {exc.filename or name}: "
+    except OSError as exc:
+        raise InputFileError(f"--corpus {' '.join(paths)}: cannot read {exc.filename}: "
                              f"{exc.strerror or exc}") from exc
     if total > MAX_CORPUS_BYTES:
         raise InputFileError(f"--corpus {' '.join(paths)}: its files hold {total:,} bytes, more "
                              f"than the {MAX_CORPUS_BYTES:,} bytes a corpus may hold; name "
                              "fewer files or folders")
-    return files
-
-
-def user_documents(paths: list[str]) -> list[Document]:
-    """The documents of the user's files (read now: bad input is found before any model
-    loads); InputFileError for a missing or non-UTF-8 file, or no text at all."""
-    documents: list[Document] = []
-    for path in _user_files(paths):
-        text = read_user_text(str(path), "corpus file")
-        found = (python_documents(str(path), text) if path.suffix == ".py"
-                 else text_documents(str(path), text))
-        documents += list(found)
-    if not documents:
+    sources: list[Iterable[Document]] = [default_documents() if name == STDLIB
+                                         else _read_source(name, answered) for name in paths]
+    if not any(isinstance(s, Iterator) or s for s in sources):
         raise InputFileError(f"--corpus {' '.join(paths)}: no text to train on (looked for "
-                             f"functions in .py files and text in {', '.join(TEXT_SUFFIXES)} "
-                             "files)")
-    return documents
+                             f"functions in .py files, requests in {REQUESTS_SUFFIX} files and "
+                             f"text in {', '.join(TEXT_SUFFIXES)} files)")
+    if len(sources) == 1:
+        return sources[0]
+    gap = object()
+    return (d for d in chain.from_iterable(zip_longest(*sources, fillvalue=gap)) if d is not gap)
 
 
 def encoders(tokenizer: PreTrainedTokenizerBase, fmt: str
