@@ -44,18 +44,53 @@ class Proposal:
     drafter: str | None = None  # which member of several drafted it (None: the drafter itself)
 
 
+class Calibration:
+    """How often a drafter's guesses are accepted, by the confidence it had in them, learned
+    online from the target's verdicts. A trained head is overconfident (guesses at 0.6-0.7
+    accepted a sixth of the time), so its raw confidence is a poor place to stop drafting; the
+    calibrated chance is what a guess is worth. Each bin starts from ``PRIOR`` pseudo-guesses
+    accepted as often as their confidence says, so an unseen bin trusts the drafter."""
+
+    BINS = 10
+    PRIOR = 8.0
+
+    def __init__(self) -> None:
+        self.drafted = [0] * self.BINS
+        self.accepted = [0] * self.BINS
+
+    def _bin(self, confidence: float) -> int:
+        return min(int(confidence * self.BINS), self.BINS - 1)
+
+    def chance(self, confidence: float) -> float:
+        """The chance that a guess made with ``confidence`` is accepted."""
+        b = self._bin(confidence)
+        return (self.accepted[b] + self.PRIOR * confidence) / (self.drafted[b] + self.PRIOR)
+
+    def record(self, confidences: tuple[float, ...], accepted: int) -> None:
+        """One verified chain: its first ``accepted`` guesses kept, the next one rejected (the
+        ones after it were never judged on their own)."""
+        for i, confidence in enumerate(confidences[: accepted + 1]):
+            b = self._bin(confidence)
+            self.drafted[b] += 1
+            self.accepted[b] += i < accepted
+
+
 class DraftChain:
     """The drafts of one chain as a model-based drafter picks them, one position at a time:
     the argmax (greedy) or a draw from the drafter's distribution q, kept with its q row for
-    the verifier. Drafting stops once the drafter's best guess falls below
-    ``confidence_threshold`` (never before the first draft): such a token is likely rejected
-    and each draft step costs time."""
+    the verifier. Drafting stops once the chance that the drafter's best guess is accepted
+    (its confidence, through ``calibration`` when given) falls below ``confidence_threshold``
+    (never before the first draft): such a token is likely rejected and each draft step costs
+    time. Where to stop depends on q and on verdicts already given, never on this step's
+    target, so the output is exact whatever the chain's length."""
 
     def __init__(self, params: SamplingParams, generator: torch.Generator,
-                 confidence_threshold: float = 0.0) -> None:
+                 confidence_threshold: float = 0.0,
+                 calibration: Calibration | None = None) -> None:
         self.params = params
         self.generator = generator
         self.confidence_threshold = confidence_threshold
+        self.calibration = calibration
         self.tokens: list[int] = []
         self._q_rows: list[torch.Tensor] = []
         self._confidences: list[float] = []
@@ -68,8 +103,12 @@ class DraftChain:
         else:
             probs = logits_to_probs(logits[None], self.params)[0]
             token = sample(probs, self.generator)
-        if self.tokens and float(probs.max()) < self.confidence_threshold:
-            return None
+        if self.tokens and self.confidence_threshold > 0:
+            best = float(probs.max())
+            if self.calibration is not None:
+                best = self.calibration.chance(best)
+            if best < self.confidence_threshold:
+                return None
         self.tokens.append(token)
         self._q_rows.append(probs)
         self._confidences.append(float(probs[token]))
@@ -87,6 +126,9 @@ class Drafter(ABC):
     # Whether a proposal costs next to nothing and changes no state (n-gram lookup): the engine
     # may then ask it for the drafts it would have made on steps another drafter drafted.
     free: bool = False
+    # How often its guesses are accepted by confidence (model-based drafters): the engine
+    # records each verified chain in it, and it outlives ``reset`` (it learns the drafter).
+    calibration: Calibration | None = None
 
     @abstractmethod
     def reset(self) -> None:

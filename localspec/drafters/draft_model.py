@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from localspec.drafters.base import BuildContext, DraftChain, Drafter, Proposal
+from localspec.drafters.base import BuildContext, Calibration, DraftChain, Drafter, Proposal
 from localspec.runtime.runner import ModelRunner
 from localspec.sampling import SamplingParams
 
@@ -59,6 +59,7 @@ class DraftModelDrafter(Drafter):
         # Rows past the tokenizer's vocabulary are padding: never draft them.
         self.valid_vocab = min(tokenizer_vocab_size, runner.vocab_size, target_vocab_size)
         self.confidence_threshold = confidence_threshold
+        self.calibration = Calibration()
         self._seen: list[int] = []  # tokens whose K/V sit in the draft cache
 
     def reset(self) -> None:
@@ -97,7 +98,7 @@ class DraftModelDrafter(Drafter):
             self.runner.forward(feed[:-1], logits_to_keep=1)
             self._seen.extend(feed[:-1])
             feed, sync_time = feed[-1:], time.perf_counter() - start
-        chain = DraftChain(params, generator, self.confidence_threshold)
+        chain = DraftChain(params, generator, self.confidence_threshold, self.calibration)
         for _ in range(k):
             logits = self._to_target_vocab(self.runner.forward(feed, logits_to_keep=1)[-1])
             self._seen.extend(feed)

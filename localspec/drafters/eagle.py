@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from localspec.drafters.base import BuildContext, DraftChain, Drafter, Proposal
+from localspec.drafters.base import BuildContext, Calibration, DraftChain, Drafter, Proposal
 from localspec.drafters.eagle_head import EagleHead, HeadCache, eagle3_layers
 from localspec.drafters.head_files import read_head
 from localspec.drafters.head_layouts import load_eagle_head
@@ -53,6 +53,7 @@ class EagleDrafter(Drafter):
         else:
             self.feature_layers = (target.num_layers,)
         self.confidence_threshold = confidence_threshold
+        self.calibration = Calibration()
         self.cache = HeadCache(head.spec, head.fc.weight.dtype, head.fc.weight.device)
         # The context at the last propose: head positions 0..len - 2 hold real features.
         self._tokens: list[int] = []
@@ -111,7 +112,7 @@ class EagleDrafter(Drafter):
         self._tokens = list(context)
         for_logits, hidden = for_logits[-1:], hidden[-1:]  # [1, h] each
 
-        chain = DraftChain(params, generator, self.confidence_threshold)
+        chain = DraftChain(params, generator, self.confidence_threshold, self.calibration)
         for j in range(k):
             token = chain.pick(self._logits(for_logits))
             if token is None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from localspec.drafters.base import BuildContext, DraftChain, Drafter, Proposal
+from localspec.drafters.base import BuildContext, Calibration, DraftChain, Drafter, Proposal
 from localspec.drafters.head_files import read_head
 from localspec.drafters.head_layouts import load_medusa_heads
 from localspec.drafters.medusa_head import MedusaHeads
@@ -44,6 +44,7 @@ class MedusaDrafter(Drafter):
         self.heads = heads
         self.target = target
         self.confidence_threshold = confidence_threshold
+        self.calibration = Calibration()
         self.feature_layers = (target.num_layers,)  # the final normed hidden state
         target.record_features(self.feature_layers)
         # Without LM heads of their own the heads read the target's, cut to token_map if any.
@@ -77,7 +78,7 @@ class MedusaDrafter(Drafter):
         if k <= 0 or last < 0 or self.target.length <= last:
             return Proposal([])
         feature = self.target.features(last, last + 1)  # [1, hidden]
-        chain = DraftChain(params, generator, self.confidence_threshold)
+        chain = DraftChain(params, generator, self.confidence_threshold, self.calibration)
         for i in range(min(k, self.heads.num_heads)):
             if chain.pick(self._logits(i, feature)) is None:
                 break

@@ -203,6 +203,8 @@ class SpeculativeEngine:
             # Keep the pending token and the accepted drafts; the target's token becomes pending.
             self.target.crop(len(context) + verdict.num_accepted)
             choice.record(used, len(drafts), verdict.num_accepted, draft_times, t2 - t1)
+            if used is not None and (calibration := members[used].calibration) is not None:
+                calibration.record(proposal.confidences[: len(drafts)], verdict.num_accepted)
 
             new_tokens = [*drafts[: verdict.num_accepted], verdict.token]
             kept, finish = self._cut(new_tokens, generated, max_new)

@@ -1,0 +1,72 @@
+"""Online calibration of a drafter's confidence: it learns how often guesses of each confidence
+are accepted, counts a chain only up to its first rejection, stops an overconfident drafter's
+chain where the raw confidence would not, and the engine feeds it every verified chain while
+the output stays the target's own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import collect, decode, draft_drafter
+from engine_helpers import PROMPTS, plain_tokens, request
+from transformers import PreTrainedModel
+
+from localspec.drafters.base import Calibration, DraftChain
+from localspec.engine.engine import SpeculativeEngine
+from localspec.runtime.runner import ModelRunner
+from localspec.sampling import SamplingParams
+
+GREEDY = SamplingParams(0.0, 0, 1.0)
+
+
+def test_an_unseen_confidence_is_trusted_and_a_seen_one_learned() -> None:
+    calibration = Calibration()
+    assert calibration.chance(0.65) == pytest.approx(0.65)
+    for i in range(100):  # guesses at 0.65 accepted 16 times in 100
+        calibration.record((0.65,), accepted=1 if i % 25 < 4 else 0)
+    assert calibration.chance(0.65) == pytest.approx((16 + 8 * 0.65) / 108)
+    assert calibration.chance(0.95) == pytest.approx(0.95)  # another bin: still the prior
+
+
+def test_a_chain_counts_up_to_its_first_rejection() -> None:
+    calibration = Calibration()
+    calibration.record((0.95, 0.92, 0.91, 0.97), accepted=1)
+    assert calibration.drafted[9] == 2 and calibration.accepted[9] == 1
+    calibration.record((0.15, 0.95), accepted=2)  # all kept
+    assert calibration.drafted[1] == 1 and calibration.accepted[1] == 1
+    assert calibration.drafted[9] == 3 and calibration.accepted[9] == 2
+
+
+def test_an_overconfident_drafter_stops_where_its_chance_is_low() -> None:
+    logits = torch.full((8,), -10.0)
+    logits[3] = 0.0
+    logits[4] = float(torch.log(torch.tensor(0.65 / 0.35)))  # best guess at ~0.65
+    overconfident = Calibration()
+    for _ in range(50):
+        overconfident.record((0.65,), accepted=0)
+
+    def drafted(calibration: Calibration | None) -> int:
+        chain = DraftChain(GREEDY, torch.Generator(), 0.3, calibration)
+        return sum(chain.pick(logits) is not None for _ in range(4))
+
+    assert drafted(None) == 4 and drafted(Calibration()) == 4
+    assert drafted(overconfident) == 1  # the first draft is always made
+
+
+def test_the_engine_records_every_verified_chain(target_runner: ModelRunner,
+                                                 close_draft_model: PreTrainedModel,
+                                                 target_model: PreTrainedModel) -> None:
+    """Each step's judged drafts (the accepted ones and the first rejected) reach the drafter's
+    calibration, which outlives a new answer; the tokens are plain decoding's."""
+    drafter = draft_drafter(close_draft_model, threshold=0.3)
+    engine = SpeculativeEngine(target_runner, drafter, decode, set())
+    prompt = PROMPTS["random-b"]
+    tokens, events = collect(engine, request(prompt, k=4, max_new_tokens=40))
+    assert tokens == plain_tokens(target_model, prompt, max_new_tokens=40)
+    judged = sum(min(e.accepted + 1, len(e.drafted)) for e in events)
+    kept = sum(e.accepted for e in events)
+    assert 0 < kept < judged  # acceptances and rejections both occurred
+    assert sum(drafter.calibration.drafted) == judged
+    assert sum(drafter.calibration.accepted) == kept
+    collect(engine, request(prompt, k=4, max_new_tokens=8))
+    assert sum(drafter.calibration.drafted) > judged
