@@ -181,7 +181,7 @@ def check_members(method: str, listed: tuple[str, ...], members: tuple[str, ...]
     [localspec] drafters, can be the drafters of one engine: a list only for "auto";
     registered drafters (not plain decoding, not "auto"), each once; at most one draft model
     and one head, each named: a lone one by ``[speculative_config] model``, a head beside a
-    draft model by ``[localspec] head`` (``has_head``), which only that pair reads."""
+    draft model by ``[localspec] head`` (``has_head``), read by a head member only."""
     if listed and method != AUTO:
         raise ValueError(f"[localspec] drafters lists the members of method '{AUTO}', and "
                          f"[speculative_config] method is '{method}'")
@@ -204,10 +204,9 @@ def check_members(method: str, listed: tuple[str, ...], members: tuple[str, ...]
         raise ValueError(f"[localspec] drafters: '{needing['head']}' beside a draft model "
                          "needs [localspec] head (the head to load; [speculative_config] model "
                          "is the draft model)")
-    if has_head and len(needing) < 2:
-        raise ValueError("[localspec] head names the head of an 'auto' preset that also lists "
-                         "'draft_model' in [localspec] drafters; otherwise name the head in "
-                         "[speculative_config] model")
+    if has_head and "head" not in needing:
+        raise ValueError("[localspec] head names the head of an 'auto' preset's head member, "
+                         "and [localspec] drafters lists none (such as 'eagle3')")
 
 
 def members_of(method: str, preset_method: str, has_model: bool, listed: tuple[str, ...],

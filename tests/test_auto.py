@@ -242,6 +242,8 @@ def test_auto_members_default_and_listed() -> None:
     three = parse_preset(preset(drafters=["ngram", "eagle3", "draft_model"], head="some/head"))
     assert three.draft_spec() is not None and three.draft_spec().model == "some/draft"
     assert three.head_source() == "some/head" and head.head_source() == "some/draft"
+    pair = parse_preset(preset(drafters=["ngram", "eagle3"], head="some/head"))  # tune's subsets
+    assert pair.head_source() == "some/head" and pair.draft_spec() is not None
 
 
 @pytest.mark.parametrize(("data", "needle"), [
@@ -252,8 +254,8 @@ def test_auto_members_default_and_listed() -> None:
     (preset(drafters=["draft_model", "eagle3"]), "'eagle3' beside a draft model needs "
                                                  "[localspec] head"),
     (preset(drafters=["medusa", "eagle3"], head="h"), "medusa and eagle3 are both heads"),
-    (preset(drafters=["ngram", "eagle3"], head="h"), "[localspec] head names the head of"),
-    (preset("eagle3", head="h"), "[localspec] head names the head of"),
+    (preset(drafters=["ngram", "draft_model"], head="h"), "[localspec] head names the head"),
+    (preset("draft_model", head="h"), "[localspec] head names the head of"),
     (preset(model=None, drafters=["ngram", "medusa"]), "'medusa' needs [speculative_config] model"),
     (preset("ngram", drafters=["ngram"]), "lists the members of method 'auto'"),
 ])

@@ -65,7 +65,8 @@ def test_tune_writes_a_valid_preset_never_slower_than_its_start(
     name = Path(presets["draft"]).stem + "-tuned"
     assert report["name"] == name and Path(report["saved"]).parent == user_presets_root()
     assert [int(w) for w in report["pass_ms"]] == list(range(1, 18))
-    tried = [t["settings"].split(",")[0] for t in report["trials"] if t["stage"] == "method"]
+    tried = [t["settings"].split(",")[0].split("[")[0] for t in report["trials"]
+             if t["stage"] == "method"]
     assert tried == tuning.runnable_methods(load_preset(presets["draft"])), tried
     assert {"none", "ngram", "draft_model"} <= set(tried)
     before, after = report["before"], report["after"]
@@ -132,6 +133,31 @@ def test_an_auto_preset_with_listed_drafters_tunes_every_method(
     saved = load_preset(report["name"])
     assert ("drafters" in Path(report["saved"]).read_text(encoding="utf-8")) == (
         saved.speculative_config.method == "auto")
+
+
+def test_autos_member_sets_are_searched_and_written(presets: dict[str, str],
+                                                   tmp_path: Path) -> None:
+    """With a head beside the draft model, every set of two or more of the three members is a
+    candidate; the chosen set is the saved preset's [localspec] drafters."""
+    text = Path(presets["draft"]).read_text(encoding="utf-8").replace(
+        'method = "draft_model"', 'method = "auto"') + \
+        'drafters = ["ngram", "eagle3", "draft_model"]\nhead = "some/head"\n'
+    source = tmp_path / "three.toml"
+    source.write_text(text, encoding="utf-8")
+    preset = load_preset(str(source))
+    start = tuning.settings_of(preset)
+    assert start.members == ("ngram", "eagle3", "draft_model")
+    sets = [s.members for s in tuning.options("auto's drafters", start, ["auto"])]
+    assert sets == [("ngram", "eagle3"), ("ngram", "draft_model"), ("eagle3", "draft_model"),
+                    ("ngram", "eagle3", "draft_model")]
+    pair = dataclasses.replace(start, members=("ngram", "eagle3"))
+    assert tuning.settings_of(tuning.with_settings(preset, pair)) == pair
+    saved = tuning.tuned_text(text, preset, pair, "# header\n")
+    (tmp_path / "saved.toml").write_text(saved, encoding="utf-8")
+    again = load_preset(str(tmp_path / "saved.toml"))
+    assert again.drafter_methods() == ("ngram", "eagle3") and again.head_source() == "some/head"
+    assert tuning.options("auto's drafters", dataclasses.replace(start, method="ngram"),
+                          ["auto"]) == []
 
 
 def test_a_setting_whose_output_differs_is_never_chosen(

@@ -10,7 +10,8 @@ prompts or the user's JSONL, ``max_new_tokens`` each):
    to check here, printed as a table;
 2. the preset's own settings, then one setting at a time around the best so far (a coordinate
    search): the method (each one the preset can run, plain decoding and ``auto`` included),
-   n-gram lookup first, the most drafts a step and the draft's confidence threshold. A
+   ``auto``'s members (every set of two or more of the preset's own), n-gram lookup first, the
+   most drafts a step and the draft's confidence threshold. A
    candidate replaces the best only when it is faster by more than ``MARGIN`` over all prompts
    (tokens over seconds): one run of each is noisy, and a setting that merely ties is no reason
    to change;
@@ -28,6 +29,7 @@ output is compared with plain decoding's: one that differs (a near-tie on a floa
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import platform
 import time
@@ -58,11 +60,13 @@ class Settings:
     k: int
     threshold: float
     lookup_first: bool
+    members: tuple[str, ...] = ()  # "auto"'s, as [localspec] drafters lists them
 
     def label(self) -> str:
         if self.method == "none":
             return "none"
-        parts = [self.method, f"k<={self.k}"]
+        members = f"[{'+'.join(self.members)}]" if self.method == AUTO and self.members else ""
+        parts = [self.method + members, f"k<={self.k}"]
         if drafter_spec(self.method).needs != "nothing":
             parts += [f"threshold {self.threshold:g}",
                       f"lookup_first {str(self.lookup_first).lower()}"]
@@ -74,7 +78,8 @@ class Settings:
 def settings_of(preset: Preset) -> Settings:
     return Settings(preset.speculative_config.method,
                     preset.speculative_config.num_speculative_tokens,
-                    preset.localspec.draft_confidence_threshold, preset.localspec.lookup_first)
+                    preset.localspec.draft_confidence_threshold, preset.localspec.lookup_first,
+                    preset.drafter_methods(AUTO))
 
 
 def with_settings(preset: Preset, s: Settings) -> Preset:
@@ -84,6 +89,8 @@ def with_settings(preset: Preset, s: Settings) -> Preset:
     data["localspec"].update(draft_confidence_threshold=s.threshold, lookup_first=s.lookup_first)
     if s.method != AUTO:  # the members of "auto" are listed only for it
         data["localspec"].pop("drafters", None)
+    elif s.members:
+        data["localspec"]["drafters"] = list(s.members)
     return parse_preset(data, where=f"preset '{preset.name}' with {s.label()}")
 
 
@@ -148,7 +155,7 @@ def measure(pipe: Pipeline, s: Settings, encoded: list[list[int]], max_new: int,
     return out
 
 
-STAGES = ("method", "lookup first", "drafts a step", "confidence threshold")
+STAGES = ("method", "auto's drafters", "lookup first", "drafts a step", "confidence threshold")
 
 
 def options(stage: str, best: Settings, methods: list[str]) -> list[Settings]:
@@ -157,6 +164,10 @@ def options(stage: str, best: Settings, methods: list[str]) -> list[Settings]:
         return [dataclasses.replace(best, method=m) for m in methods]
     if best.method == "none":
         return []
+    if stage == "auto's drafters" and best.method == AUTO:
+        pool = best.members  # the preset's own: a set of them needs nothing more loaded
+        return [dataclasses.replace(best, members=members) for size in range(2, len(pool) + 1)
+                for members in itertools.combinations(pool, size)]
     model = drafter_spec(best.method).needs != "nothing"  # a draft model or a head
     if stage == "drafts a step":
         return [dataclasses.replace(best, k=k) for k in K_CHOICES if k <= MAX_SPECULATIVE_TOKENS]
@@ -200,6 +211,8 @@ def tuned_text(source: str, preset: Preset, s: Settings, header: str) -> str:
         doc[table][key] = value  # type: ignore[index]
     if s.method != AUTO and "drafters" in doc["localspec"]:  # type: ignore[operator]
         del doc["localspec"]["drafters"]  # type: ignore[union-attr]
+    elif s.method == AUTO and s.members:
+        doc["localspec"]["drafters"] = list(s.members)  # type: ignore[index]
     doc["name"] = f"{preset.name} (tuned)"
     return header + tomlkit.dumps(doc)
 
