@@ -50,3 +50,16 @@ def test_a_name_held_by_the_users_own_preset_is_refused(tiny: ChatApp) -> None:
     assert "already exists" in text and dropdown == {"__type__": "update"}
     assert mine.read_text(encoding="utf-8") == "# mine\n"
     assert not tiny.host.generation_lock.locked()
+
+
+def test_stop_tuning_saves_nothing(tiny: ChatApp) -> None:
+    """Stop tuning (the session's "tune" flag) ends it before its next run: a notice says
+    so, no preset is saved and a chat may run again."""
+    updates = tuning_view.tune_here(tiny, "s")
+    assert "Tuning" in next(updates)[0]
+    assert tiny.host.cancel("s/tune")
+    text, dropdown = list(updates)[-1]
+    assert "tuning stopped: nothing was saved" in text and dropdown == {"__type__": "update"}
+    name = tuning.tuned_name(tiny.host.status().active)
+    assert not (user_presets_root() / f"{name}.toml").exists()
+    assert not tiny.host.generation_lock.locked()

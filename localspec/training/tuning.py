@@ -41,7 +41,7 @@ import tomlkit
 import torch
 
 from localspec.config import MAX_SPECULATIVE_TOKENS, Preset, parse_preset
-from localspec.errors import PresetError
+from localspec.errors import LocalSpecError, PresetError
 from localspec.pipeline import Pipeline, check_method
 from localspec.presets import preset_path, save_user_preset, user_preset_file
 from localspec.registry import AUTO, drafter_spec, method_names
@@ -50,6 +50,10 @@ MARGIN = 0.03  # a candidate must be this much faster than the best so far to re
 K_CHOICES = (4, 8, 12, 16)
 THRESHOLDS = (0.1, 0.2, 0.3, 0.5)
 MARK = "# Made by `localspec tune"  # the first line of a preset tune wrote (it may replace it)
+
+
+class TuneStopped(LocalSpecError):
+    """The user stopped tuning: nothing was saved."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,8 +223,16 @@ def tuned_text(source: str, preset: Preset, s: Settings, header: str) -> str:
 
 def run_tune(pipe: Pipeline, preset_name: str, encoded: list[list[int]], max_new: int,
              repeats: int, name: str | None = None,
-             log: Callable[[str], None] = lambda _line: None) -> dict[str, Any]:
-    """Measure, choose, save; the report (``format_report`` prints it)."""
+             log: Callable[[str], None] = lambda _line: None,
+             cancelled: Callable[[], bool] = lambda: False) -> dict[str, Any]:
+    """Measure, choose, save; the report (``format_report`` prints it). TuneStopped, with
+    nothing saved, once ``cancelled`` says so (checked before each setting's run)."""
+
+    def run(s: Settings, into: Measured | None = None) -> Measured:
+        if cancelled():
+            raise TuneStopped("tuning stopped: nothing was saved")
+        return measure(pipe, s, encoded, max_new, into)
+
     name = name or tuned_name(preset_name)
     replace = check_name(name)
     preset = pipe.preset
@@ -230,15 +242,14 @@ def run_tune(pipe: Pipeline, preset_name: str, encoded: list[list[int]], max_new
     log("pass cost by width (ms): " + ", ".join(f"{w}: {c * 1e3:.1f}" for w, c in costs.items()))
     methods = runnable_methods(preset)
     seen: dict[Settings, Measured] = {}
-    plain = measure(pipe, dataclasses.replace(start, method="none"), encoded, max_new)
+    plain = run(dataclasses.replace(start, method="none"))
     seen[plain.settings] = plain
-    best = seen[start] = plain if start.method == "none" else measure(pipe, start, encoded,
-                                                                       max_new)
+    best = seen[start] = plain if start.method == "none" else run(start)
     trials = []
     for stage in STAGES:
         for s in options(stage, best.settings, methods):
             if s not in seen:
-                seen[s] = measure(pipe, s, encoded, max_new)
+                seen[s] = run(s)
             m = seen[s]
             # greedy output with speculation is plain decoding's; a float path may differ at
             # a near-tie (what `verify` allows): such a setting is reported, never chosen
@@ -252,9 +263,9 @@ def run_tune(pipe: Pipeline, preset_name: str, encoded: list[list[int]], max_new
                 best = m
     before, after = Measured(start), Measured(best.settings)
     for _ in range(repeats):
-        measure(pipe, start, encoded, max_new, into=before)
+        run(start, into=before)
         if best.settings != start:
-            measure(pipe, best.settings, encoded, max_new, into=after)
+            run(best.settings, into=after)
     chosen = after if best.settings != start and after.rate > before.rate else before
     machine = (f"{platform.machine()}, {os.cpu_count()} CPUs "
                f"({torch.backends.cpu.get_cpu_capability()})")

@@ -178,6 +178,7 @@ class PresetPanel:
     load: gr.Button
     info: gr.HTML
     tune: gr.Button
+    stop_tune: gr.Button
     tuned: gr.HTML
 
 
@@ -191,11 +192,13 @@ def _preset_panel(app: ChatApp) -> PresetPanel:
             path = gr.Textbox(label="…or a preset file path", scale=4, elem_id="ls-preset-path")
             load = gr.Button("Load", scale=1, elem_id="ls-load-path")
         info = gr.HTML("", elem_id="ls-preset-info", js_on_load=None)
-        tune = gr.Button("Tune for this machine", size="sm", elem_id="ls-tune")
+        with gr.Row():
+            tune = gr.Button("Tune for this machine", size="sm", elem_id="ls-tune")
+            stop_tune = gr.Button("Stop tuning", size="sm", elem_id="ls-tune-stop")
         tuned = gr.HTML("", elem_id="ls-tune-out", js_on_load=None)
         with gr.Accordion("All presets and what fits", open=False):
             gr.HTML(app.presets_html(), js_on_load=None)
-    return PresetPanel(preset, path, load, info, tune, tuned)
+    return PresetPanel(preset, path, load, info, tune, stop_tune, tuned)
 
 
 def build(app: ChatApp, api_info: str = "", conversations: Conversations | None = None
@@ -246,6 +249,10 @@ def build(app: ChatApp, api_info: str = "", conversations: Conversations | None 
 
         panel.tune.click(tune, None, [panel.tuned, panel.preset], concurrency_limit=1,
                          concurrency_id="tune", show_progress="hidden")
+        def stop_tune(request: gr.Request) -> str | dict:
+            return app.stop(session_of(request), "tune")
+
+        panel.stop_tune.click(stop_tune, None, panel.tuned, queue=False)
         gr.Timer(1.0).tick(app.status, None, status, show_progress="hidden", queue=False)
         wire_models(models, panel.preset, app.preset_choices, demo)
         demo.load(app.initial_controls, None, switch_outputs, queue=False)

@@ -3,14 +3,15 @@
 It runs ``training.tuning`` on the host's engine thread (where every generation runs), holding
 the generation lock as an answer does, so a chat waits for it and it waits for a chat. Its
 progress lines show as they come; at the end its tables, and the preset dropdown lists the
-tuned preset (``<preset>-tuned``). The built-in prompts, ``TUNE_TOKENS`` new tokens each and two
+tuned preset (``<preset>-tuned``); "Stop tuning" ends it before its next run, saving nothing.
+The built-in prompts, ``TUNE_TOKENS`` new tokens each and two
 before/after rounds: about two minutes for the default preset on 2 cores.
 """
 
 from __future__ import annotations
 
 import html
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import gradio as gr
@@ -41,14 +42,14 @@ def tune_here(app: ChatApp, session: str) -> Iterator[Update]:
             yield notice_html(why_not), gr.update()
             return
         try:  # the preset read with the turn held: a switch cannot come between
-            yield from _tune(app, app.host.status().active or "")
+            yield from _tune(app, app.host.status().active or "", cancel.is_set)
         finally:
             app.host.generation_lock.release()
     finally:
         app.host.end(f"{session}/tune", cancel)
 
 
-def _tune(app: ChatApp, key: str) -> Iterator[Update]:
+def _tune(app: ChatApp, key: str, cancelled: Callable[[], bool]) -> Iterator[Update]:
     pipe = app.host.pipeline
     lines = [f"Tuning {key} on this machine (about two minutes; answers wait meanwhile)…"]
     yield _lines_html(lines), gr.update()
@@ -60,7 +61,8 @@ def _tune(app: ChatApp, key: str) -> Iterator[Update]:
 
     def work() -> dict:
         encoded = encode_prompts(pipe, load_prompts(None), TUNE_TOKENS)
-        return run_tune(pipe, key, encoded, TUNE_TOKENS, TUNE_REPEATS, log=lines.append)
+        return run_tune(pipe, key, encoded, TUNE_TOKENS, TUNE_REPEATS, log=lines.append,
+                        cancelled=cancelled)
 
     future = app.host.submit_on_engine(work)
     while True:
