@@ -204,9 +204,10 @@ def check_members(method: str, listed: tuple[str, ...], members: tuple[str, ...]
         raise ValueError(f"[localspec] drafters: '{needing['head']}' beside a draft model "
                          "needs [localspec] head (the head to load; [speculative_config] model "
                          "is the draft model)")
-    if has_head and "head" not in needing:
-        raise ValueError("[localspec] head names the head of an 'auto' preset's head member, "
-                         "and [localspec] drafters lists none (such as 'eagle3')")
+    if has_head and (method != AUTO or "head" not in needing):
+        raise ValueError("[localspec] head names the head of an 'auto' preset's head member "
+                         "(such as 'eagle3' in [localspec] drafters); a lone head is "
+                         "[speculative_config] model")
 
 
 def members_of(method: str, preset_method: str, has_model: bool, listed: tuple[str, ...],

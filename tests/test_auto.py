@@ -256,6 +256,7 @@ def test_auto_members_default_and_listed() -> None:
     (preset(drafters=["medusa", "eagle3"], head="h"), "medusa and eagle3 are both heads"),
     (preset(drafters=["ngram", "draft_model"], head="h"), "[localspec] head names the head"),
     (preset("draft_model", head="h"), "[localspec] head names the head of"),
+    (preset("eagle3", head="h"), "a lone head is [speculative_config] model"),
     (preset(model=None, drafters=["ngram", "medusa"]), "'medusa' needs [speculative_config] model"),
     (preset("ngram", drafters=["ngram"]), "lists the members of method 'auto'"),
 ])
