@@ -1,0 +1,116 @@
+"""Static draft trees on a tiny native model: a tree forward gives every node the logits its
+root path gives fed as a chain (bit for bit), ``keep_path`` leaves the cache a chain leaves,
+and greedy speculation with trees is plain greedy decoding token for token."""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+
+import pytest
+import torch
+from conftest import VOCAB, tiny_config
+from kernel_helpers import kernel_lib
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from localspec.runtime.decoder import CpuDecoder
+from localspec.runtime.runner import ModelRunner
+from localspec.runtime.weight_formats import export_weights
+
+# a tree of 8 tokens: a chain 0-1-2-3, siblings 4 and 6 of 1, 5 under 4, 7 under 6
+PARENTS = [-1, 0, 1, 2, 0, 4, 1, 6]
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+    return kernel_lib(tmp_path_factory)
+
+
+def native_model(seed: int) -> PreTrainedModel:
+    """A tiny Qwen2 whose shapes the native stack takes (head_dim 32), in float32."""
+    config = tiny_config()
+    config.hidden_size, config.intermediate_size, config.num_attention_heads = 128, 128, 4
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # peaked logits, as a trained model's
+        model.lm_head.weight.mul_(20.0)
+    return model
+
+
+def native_runner(model: PreTrainedModel, lib: ctypes.CDLL) -> ModelRunner:
+    """A runner over the requant-q4k CPU decoder with a bf16 cache (the native stack)."""
+    taken = copy.deepcopy(model).to(torch.bfloat16)
+    decoder = CpuDecoder(taken, "requant-q4k", export_weights(taken, "requant-q4k", None), lib)
+    assert decoder.native is not None and decoder.supports_trees
+    return ModelRunner(taken, decoder=decoder)
+
+
+def tokens(count: int, seed: int) -> list[int]:
+    return torch.randint(0, VOCAB, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def root_path(parents: list[int], j: int) -> list[int]:
+    path = [j]
+    while path[-1] > 0:
+        path.append(parents[path[-1]])
+    return path[::-1]
+
+
+@pytest.mark.parametrize("stack", ["native", "loop"])
+@pytest.mark.parametrize("start", [20, 32])
+def test_tree_forward_equals_each_root_path_as_a_chain(lib: ctypes.CDLL, stack: str,
+                                                        start: int) -> None:
+    """Every node's logits (and EAGLE features) from one tree forward are bit for bit those of
+    the last token of its root path fed as a chain, in the native stack and in the Python loop
+    over layers with the attention kernel."""
+    runner = native_runner(native_model(seed=1), lib)
+    if stack == "loop":
+        runner.decoder.native = None
+    runner.record_features((0, 1))
+    prompt, tree = tokens(start, seed=2), tokens(len(PARENTS), seed=3)
+    runner.forward(prompt)
+    logits = runner.forward(tree, parents=PARENTS)
+    features = runner.features(start, start + len(PARENTS)).clone()
+    for j in range(len(PARENTS)):
+        path = root_path(PARENTS, j)
+        runner.crop(start)
+        chain = runner.forward([tree[r] for r in path])
+        assert torch.equal(logits[j], chain[-1]), j
+        assert torch.equal(features[j], runner.features(start, start + len(path))[-1]), j
+    assert not torch.equal(logits[4], logits[1])  # siblings of one parent: other tokens
+
+
+def test_keep_path_leaves_the_cache_a_chain_leaves(lib: ctypes.CDLL) -> None:
+    """After a tree forward and ``keep_path`` of an off-chain path, the next forward (and the
+    kept features) equal those after feeding that path as a chain; on-chain paths too."""
+    model = native_model(seed=4)
+    runner, chain = native_runner(model, lib), native_runner(model, lib)
+    prompt, tree, after = tokens(21, seed=5), tokens(len(PARENTS), seed=6), tokens(3, seed=7)
+    for path in ([0, 4, 5], [0, 1, 6, 7], [0, 1, 2], [0]):
+        for r in (runner, chain):
+            r.reset()
+            r.record_features((2,))
+            r.forward(prompt)
+        runner.forward(tree, parents=PARENTS)
+        runner.keep_path(path)
+        chain.forward([tree[r] for r in path])
+        assert runner.length == chain.length == len(prompt) + len(path)
+        assert torch.equal(runner.forward(after), chain.forward(after)), path
+        assert torch.equal(runner.features(0, runner.length), chain.features(0, chain.length))
+
+
+def test_trees_are_refused_where_they_cannot_be_fed(lib: ctypes.CDLL) -> None:
+    """Parents that are no tree and a path that is no root path are ValueErrors; a Hugging
+    Face runner says it feeds chains only."""
+    runner = native_runner(native_model(seed=8), lib)
+    runner.forward(tokens(5, seed=9))
+    for parents in ([0, 0, 1], [-1, 2, 0], [-1, 0]):
+        with pytest.raises(ValueError, match="parents"):
+            runner.forward([1, 2, 3], parents=parents)
+    runner.forward([1, 2, 3], parents=[-1, 0, 0])
+    with pytest.raises(ValueError, match="root path"):
+        runner.keep_path([0, 1, 2])
+    hf = ModelRunner(native_model(seed=8))
+    assert not hf.supports_trees
+    with pytest.raises(ValueError, match="chains only"):
+        hf.forward([1, 2], parents=[-1, 0])
