@@ -9,16 +9,23 @@ import ctypes
 
 import pytest
 import torch
-from conftest import VOCAB, tiny_config
+from conftest import VOCAB, collect, decode, tiny_config
+from engine_helpers import GREEDY, request
 from kernel_helpers import kernel_lib
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from localspec.drafters.base import Proposal
+from localspec.drafters.draft_model import DraftModelDrafter
+from localspec.engine.engine import GenerationError, SpeculativeEngine
+from localspec.engine.verify import verify_tree
 from localspec.runtime.decoder import CpuDecoder
 from localspec.runtime.runner import ModelRunner
 from localspec.runtime.weight_formats import export_weights
+from localspec.sampling import SamplingParams
 
 # a tree of 8 tokens: a chain 0-1-2-3, siblings 4 and 6 of 1, 5 under 4, 7 under 6
 PARENTS = [-1, 0, 1, 2, 0, 4, 1, 6]
+NOISE = 0.3  # the draft's relative weight noise
 
 
 @pytest.fixture(scope="module")
@@ -114,3 +121,93 @@ def test_trees_are_refused_where_they_cannot_be_fed(lib: ctypes.CDLL) -> None:
     assert not hf.supports_trees
     with pytest.raises(ValueError, match="chains only"):
         hf.forward([1, 2], parents=[-1, 0])
+
+
+class RecordingDrafter(DraftModelDrafter):
+    """A draft model's drafter that keeps every proposal it made, trees included."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        super().__init__(ModelRunner(model), target_vocab_size=VOCAB, tokenizer_vocab_size=VOCAB)
+        self.proposals: list[Proposal] = []
+
+    def propose_tree(self, context: list[int], k: int, width: int, params: SamplingParams,
+                     generator: torch.Generator) -> Proposal:
+        proposal = super().propose_tree(context, k, width, params, generator)
+        self.proposals.append(proposal)
+        return proposal
+
+
+def noisy_copy(model: PreTrainedModel, noise: float, seed: int) -> PreTrainedModel:
+    """``model`` with relative Gaussian noise on every weight: a draft that is often right,
+    and when wrong, often has the target's token among its next guesses."""
+    noisy = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in noisy.parameters():
+            param.mul_(1 + noise * torch.randn(param.shape, generator=generator))
+    return noisy
+
+
+@pytest.mark.parametrize("width", [2, 3])
+def test_greedy_trees_equal_plain_greedy(lib: ctypes.CDLL, width: int) -> None:
+    """Greedy speculation with a tree of ``width`` first guesses is plain greedy decoding token
+    for token, and the tree is doing something: some step accepts a first token that was not
+    the chain's (a sibling) and goes on; events list the kept path's drafts first."""
+    model = native_model(seed=11)
+    target = native_runner(model, lib)
+    drafter = RecordingDrafter(noisy_copy(model, NOISE, seed=12))
+    plain = SpeculativeEngine(target, None, decode, set())
+    engine = SpeculativeEngine(target, drafter, decode, set())
+    siblings = 0
+    for seed in range(3):
+        prompt = tokens(9, seed=20 + seed)
+        expected = collect(plain, request(prompt, max_new_tokens=48))[0]
+        drafter.proposals.clear()
+        out, events = collect(engine, request(prompt, k=4, max_new_tokens=48,
+                                              tree_width=width))
+        assert out == expected, seed
+        drafted = [e for e in events if e.drafted]
+        assert len(drafted) == len(drafter.proposals)
+        assert any(p.parents is not None for p in drafter.proposals)
+        for event, proposal in zip(drafted, drafter.proposals, strict=True):
+            assert sorted(event.drafted) == sorted(proposal.tokens)
+            assert event.tokens[:event.accepted] == event.drafted[:event.accepted]
+            if event.accepted and event.tokens[0] != proposal.tokens[0]:
+                assert event.tokens[0] in proposal.tokens[proposal.chain_length:]
+                siblings += 1
+    assert siblings > 0
+
+
+def test_trees_only_where_the_request_is_greedy_and_the_target_feeds_them(
+        lib: ctypes.CDLL) -> None:
+    """A sampled request, and any request on a runner without tree support, drafts chains."""
+    model = native_model(seed=11)
+    drafter = RecordingDrafter(noisy_copy(model, NOISE, seed=12))
+    prompt = tokens(9, seed=20)
+    for target, sampling in ((native_runner(model, lib), SamplingParams(temperature=1.0)),
+                             (ModelRunner(copy.deepcopy(model)), GREEDY)):
+        engine = SpeculativeEngine(target, drafter, decode, set())
+        collect(engine, request(prompt, k=4, max_new_tokens=20, sampling=sampling,
+                                tree_width=3))
+        assert drafter.proposals and all(p.parents is None for p in drafter.proposals)
+        drafter.proposals.clear()
+    with pytest.raises(GenerationError, match="tree_width"):
+        engine.generate(request(prompt, tree_width=0))
+
+
+def test_verify_tree_walks_the_targets_argmaxes() -> None:
+    """From the root, down the child carrying the target's argmax; the argmax where no child
+    carries it is the recovered token, the one after a leaf the bonus token."""
+    drafts, parents = [10, 11, 12, 20, 21], (0, 1, 2, 0, 4)  # chain 10-11-12; 20-21 beside
+
+    def logits(argmaxes: list[int]) -> torch.Tensor:
+        return torch.nn.functional.one_hot(torch.tensor(argmaxes), 30).float()
+
+    verdict, path = verify_tree(logits([20, 0, 0, 0, 21, 7]), drafts, parents)
+    assert (path, verdict.num_accepted, verdict.token, verdict.is_bonus) == ([0, 4, 5], 2, 7,
+                                                                              True)
+    verdict, path = verify_tree(logits([10, 11, 5, 0, 0, 0]), drafts, parents)
+    assert (path, verdict.num_accepted, verdict.token, verdict.is_bonus) == ([0, 1, 2], 2, 5,
+                                                                              False)
+    verdict, path = verify_tree(logits([3, 0, 0, 0, 0, 0]), drafts, parents)
+    assert (path, verdict.num_accepted, verdict.token) == ([0], 0, 3)
