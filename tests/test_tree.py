@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import dataclasses
+import tomllib
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,10 +21,12 @@ from localspec.drafters.base import Proposal
 from localspec.drafters.draft_model import DraftModelDrafter
 from localspec.engine.engine import GenerationError, SpeculativeEngine
 from localspec.engine.verify import verify_tree
+from localspec.presets import load_preset
 from localspec.runtime.decoder import CpuDecoder
 from localspec.runtime.runner import ModelRunner
 from localspec.runtime.weight_formats import export_weights
 from localspec.sampling import SamplingParams
+from localspec.training import tuning
 
 # a tree of 8 tokens: a chain 0-1-2-3, siblings 4 and 6 of 1, 5 under 4, 7 under 6
 PARENTS = [-1, 0, 1, 2, 0, 4, 1, 6]
@@ -211,3 +216,21 @@ def test_verify_tree_walks_the_targets_argmaxes() -> None:
                                                                               False)
     verdict, path = verify_tree(logits([3, 0, 0, 0, 0, 0]), drafts, parents)
     assert (path, verdict.num_accepted, verdict.token) == ([0], 0, 3)
+
+
+def test_tune_tries_tree_widths_where_the_target_feeds_trees(presets: dict[str, str]) -> None:
+    """tune's "tree width" stage: widths 1-3 for a model-based drafter on a target that feeds
+    trees, none otherwise (or for n-gram lookup); the width goes into the tuned preset."""
+    preset = load_preset(presets["draft"])
+    start = tuning.settings_of(preset)
+    assert start.method == "draft_model" and start.tree_width == 1
+    assert tuning.options("tree width", start, [], trees=False) == []
+    assert [s.tree_width for s in tuning.options("tree width", start, [], trees=True)] == [1, 2, 3]
+    ngram = dataclasses.replace(start, method="ngram")
+    assert tuning.options("tree width", ngram, [], trees=True) == []
+    wide = dataclasses.replace(start, tree_width=3)
+    assert "tree 3" in wide.label()
+    assert tuning.settings_of(tuning.with_settings(preset, wide)) == wide
+    source = Path(presets["draft"]).read_text(encoding="utf-8")
+    text = tuning.tuned_text(source, preset, wide, "# tuned\n")
+    assert tomllib.loads(text)["localspec"]["tree_width"] == 3
