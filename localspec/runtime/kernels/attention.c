@@ -127,7 +127,8 @@ static int64_t root_path(const int64_t *parents, int64_t j, int64_t *path) {
     return depth;
 }
 
-/* Rows of a tree's ``parents`` (NULL: a chain) as attend_tree takes them. */
+/* Whether ``parents`` (NULL: a chain) is a tree as attend_tree takes it: -1 for row 0, then
+ * each row's parent an earlier row. */
 static int parents_ok(const int64_t *parents, int64_t n) {
     for (int64_t j = 0; parents && j < n; j++)
         if (j == 0 ? parents[0] != -1 : parents[j] < 0 || parents[j] >= j) return 0;
@@ -141,6 +142,7 @@ static int attend_any(const float *q, const uint16_t *keys, const uint16_t *valu
                       int threads) {
     if (kv_heads <= 0 || d % 32 || d > MAX_HEAD_DIM || heads % kv_heads) return -2;
     if (n < 0 || start < 0 || !parents_ok(parents, n)) return -2;
+    if (n == 0) return 0;
     const int64_t shared = heads / kv_heads;
     if (shared > MAX_SHARED) return -2;
     const int64_t stride = (start + n + 15) / 16 * 16;  /* one head's scores, padded */
