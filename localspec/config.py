@@ -59,8 +59,7 @@ HardwareClass = Literal["cpu", "gpu-8gb", "gpu-12gb", "gpu-16gb", "gpu-24gb", "h
 DTYPES: tuple[str, ...] = get_args(Dtype)
 DEVICES: tuple[str, ...] = get_args(Device)
 QUANTIZATIONS: tuple[str, ...] = get_args(QuantizationName)
-# Former names a preset may still use, and what they are called now.
-RENAMED_QUANTIZATIONS = {"w4a8-requant": "requant-q4k"}
+RENAMED_QUANTIZATIONS = {"w4a8-requant": "requant-q4k"}  # names a preset may still use
 Quantization = Annotated[QuantizationName, BeforeValidator(
     lambda value: RENAMED_QUANTIZATIONS.get(value, value) if isinstance(value, str) else value)]
 # Served by the CPU forward (runtime.decoder): "w8a8" int8 weights, per-token int8 activations;
@@ -71,8 +70,7 @@ HARDWARE: tuple[str, ...] = get_args(HardwareClass)
 HARDWARE_LABELS = {"cpu": "CPU", "gpu-8gb": "GPU 8 GB", "gpu-12gb": "GPU 12 GB",
                    "gpu-16gb": "GPU 16 GB", "gpu-24gb": "GPU 24 GB", "h100-80gb": "H100 80 GB"}
 DEFAULT_PRESET = "cpu-qwen-coder-draft"
-# where train-drafter takes its documents' answers: as written, or the target's own
-ANSWER_SOURCES: tuple[str, ...] = ("corpus", "target")
+ANSWER_SOURCES: tuple[str, ...] = ("corpus", "target")  # train-drafter's answers: given, own
 # Heads shipped in the package (localspec/data/heads/<name>/) by name, with their targets.
 BUILTIN_HEADS: dict[str, str] = {"qwen2.5-coder-1.5b-eagle3": "qwen2.5-coder-1.5b-instruct",
                                   "qwen2.5-coder-1.5b-medusa": "qwen2.5-coder-1.5b-instruct"}
@@ -122,6 +120,7 @@ def models_root() -> Path:
 # ----------------------------------------------------------------------------- limits
 
 MAX_SPECULATIVE_TOKENS = 32  # the most drafts one target pass verifies
+MAX_TREE_WIDTH = 8  # the most candidates for a first draft token (a static draft tree)
 DEFAULT_CONTEXT = 4096  # KV tokens a GPU preset reserves: its memory estimate, cuda_graphs' cache
 MAX_LOOKUP_NGRAM = 64
 MAX_NEW_TOKENS = 32768
@@ -137,8 +136,7 @@ MAX_CORPUS_BYTES = 4 * MAX_USER_FILE_BYTES
 # The span of the app's sliders: the useful range, inside the limits above.
 SLIDER_MAX = {"temperature": 2.0, "top_k": 200, "max_new_tokens": 8192}
 API_PORT = 8000  # the OpenAI-compatible API (``localspec serve``, and /v1 of the app)
-# Requests the API holds at once, waiting or generating (answers come one at a time, the app's
-# and the API's alike): one more is answered 429 with Retry-After, not left to hang.
+# Requests the API holds at once, waiting or generating: one more gets a 429, never a hang
 API_MAX_QUEUED = 16
 API_MAX_BODY_BYTES = 8 * 2**20  # a request body past this is answered 413
 API_MAX_STOP = 4  # stop strings per request, as OpenAI allows
@@ -149,8 +147,7 @@ API_KEY_ENV = "LOCALSPEC_API_KEY"  # read when --api-key is not given
 # Saved conversations (localspec/chats/).
 MAX_CHAT_TITLE_CHARS = 200  # a title the user gives (rename, import)
 CHAT_TITLE_FROM_MESSAGE_CHARS = 60  # a new conversation's title: its first message, cut here
-# The most one message may hold: far beyond an answer (MAX_NEW_TOKENS tokens are ~150k
-# characters) or a pasted file a model's context takes; a bound on what an import can store.
+# The most one message holds: far past an answer or a pasted file; bounds what an import stores
 MAX_CHAT_MESSAGE_CHARS = 4 * 2**20
 MAX_CHAT_MESSAGES = 100_000  # per conversation, in an import
 MAX_CHATS_LISTED = 500  # the newest conversations the side list and `chats list` show
@@ -160,6 +157,7 @@ CHATS_BUSY_TIMEOUT_S = 10.0  # how long a write waits for another process's tran
 CHATS_PURGE_AFTER_S = 7 * 24 * 3600  # a deleted conversation can be restored for a week
 
 SpecTokens = Annotated[int, Field(ge=1, le=MAX_SPECULATIVE_TOKENS)]
+TreeWidth = Annotated[int, Field(ge=1, le=MAX_TREE_WIDTH)]
 LookupN = Annotated[int, Field(ge=1, le=MAX_LOOKUP_NGRAM)]
 Temperature = Annotated[float, Field(ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
@@ -250,6 +248,7 @@ class LocalSpecConfig(BaseModel):
     logits_fp32: bool = True  # target's final norm and top logits in float32
     draft_vocab_size: Annotated[int, Field(ge=0)] = 0  # draft LM head cut to N ids (0 = all)
     lookup_first: bool = False  # n-gram lookup first, the draft model or head on a miss
+    tree_width: TreeWidth = 1  # greedy: first-token candidates verified as a tree (1: a chain)
     # method "auto"'s members (none listed: registry.members_of's; checked by check_members)
     drafters: Annotated[tuple[Method, ...], Field(strict=False)] = ()
     head: NonEmpty | None = None  # auto's head beside the draft model [speculative_config] names
@@ -322,6 +321,7 @@ class RequestSettings(SamplingConfig):
 
     num_speculative_tokens: SpecTokens = 5
     adaptive: bool = True
+    tree_width: TreeWidth = 1
 
 
 # ----------------------------------------------------------------------------- messages

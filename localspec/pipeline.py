@@ -66,7 +66,7 @@ def request_settings_for(preset: Preset, **overrides: object) -> RequestSettings
     (NaN, a negative top-k, a seed beyond 64 bits, ...). Needs no model."""
     base = {**preset.sampling.model_dump(),
             "num_speculative_tokens": preset.speculative_config.num_speculative_tokens,
-            "adaptive": preset.localspec.adaptive_k}
+            "adaptive": preset.localspec.adaptive_k, "tree_width": preset.localspec.tree_width}
     unknown = set(overrides) - set(base)
     if unknown:
         raise TypeError(f"unknown request settings: {', '.join(sorted(unknown))}")
@@ -228,7 +228,7 @@ class Pipeline:
             prompt_ids=prompt_ids, max_new_tokens=r.max_new_tokens,
             sampling=SamplingParams(r.temperature, r.top_k, r.top_p),
             num_speculative_tokens=r.num_speculative_tokens, adaptive=r.adaptive,
-            stop_strings=stop_strings, seed=r.seed)
+            stop_strings=stop_strings, seed=r.seed, tree_width=r.tree_width)
 
     def engine_with(self, drafter: Drafter | None) -> SpeculativeEngine:
         """An engine over the target's runner with ``drafter`` (None: plain decoding); not

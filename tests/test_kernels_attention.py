@@ -73,3 +73,60 @@ def test_row_attention_refuses_what_it_cannot_take(lib: ctypes.CDLL) -> None:
     for heads, kv_heads, d in ((4, 2, 48), (40, 2, 64), (4, 0, 32), (3, 2, 32)):
         assert lib.attend_rows(q.data_ptr(), keys.data_ptr(), values.data_ptr(), 16, 0, 1,
                                heads, kv_heads, d, 0.2, out.data_ptr(), 1) == -2
+
+
+def random_tree(n: int, seed: int) -> list[int]:
+    """Parents of a random tree of n rows: -1 for the root, then each an earlier row."""
+    generator = torch.Generator().manual_seed(seed)
+    return [-1] + [int(torch.randint(0, j, (1,), generator=generator)) for j in range(1, n)]
+
+
+def root_path(parents: list[int], j: int) -> list[int]:
+    """Row j's root path, root first."""
+    path = [j]
+    while path[-1] > 0:
+        path.append(parents[path[-1]])
+    return path[::-1]
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "d"), [(12, 2, 128), (14, 2, 64), (4, 4, 32)])
+def test_tree_rows_equal_their_root_paths_fed_as_chains(lib: ctypes.CDLL, heads: int,
+                                                        kv_heads: int, d: int) -> None:
+    """Each row of a tree attends the prefix, then its root path in depth order: its output is
+    bit for bit the last row of that path fed alone as a chain at the same start (the cache
+    holding the path's keys at start..), at starts around the 16-key blocks, with 1 or 2
+    threads; a chain's parents give attend_rows' bits."""
+    n = 9
+    q, keys, values = attention_inputs(heads, kv_heads, d, capacity=80, n=n, seed=d)
+    attention = RowAttention(lib, heads, kv_heads, d, d ** -0.5)
+    for seed, start in enumerate((0, 5, 15, 16, 31, 44)):
+        parents = random_tree(n, seed)
+        assert len({len(root_path(parents, j)) for j in range(n)}) > 2  # a real tree
+        for threads in (1, 2):
+            previous = torch.get_num_threads()
+            torch.set_num_threads(threads)
+            try:
+                tree = attention(q, keys, values, start, torch.tensor(parents))
+            finally:
+                torch.set_num_threads(previous)
+            for j in range(n):
+                path = root_path(parents, j)
+                chain_keys, chain_values = keys.clone(), values.clone()
+                rows = torch.tensor(path) + start
+                chain_keys[:, start:start + len(path)] = keys[:, rows]
+                chain_values[:, start:start + len(path)] = values[:, rows]
+                chain = attention(q[:, path], chain_keys, chain_values, start)
+                assert torch.equal(tree[j], chain[-1]), (start, j, threads)
+        straight = torch.tensor([-1, *range(n - 1)])
+        assert torch.equal(attention(q, keys, values, start, straight),
+                           attention(q, keys, values, start))
+
+
+def test_tree_attention_refuses_parents_that_are_no_tree(lib: ctypes.CDLL) -> None:
+    """A root with a parent, a parent at or after its child, or the wrong count: a ValueError,
+    never a read outside the rows."""
+    q, keys, values = attention_inputs(4, 2, 32, capacity=16, n=3, seed=1)
+    attention = RowAttention(lib, 4, 2, 32, 0.2)
+    for parents in ([0, 0, 1], [-1, 1, 0], [-1, 0, 3], [-1, 0], [-1, -1, 0]):
+        with pytest.raises(ValueError, match="parents"):
+            attention(q, keys, values, 2, torch.tensor(parents))

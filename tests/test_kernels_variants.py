@@ -134,6 +134,23 @@ def test_attention_equals_the_portable_build(simd: ctypes.CDLL, portable: ctypes
         assert torch.equal(ours, reference(q[:, :n], keys, values, start)), (start, n)
 
 
+def test_tree_attention_equals_the_portable_build(simd: ctypes.CDLL,
+                                                  portable: ctypes.CDLL) -> None:
+    """Tree attention (rows over their root paths, gathered past the last whole block of 16):
+    the same bits as the portable build, for several trees, starts and head shapes."""
+    for heads, kv_heads, d in ((12, 2, 128), (6, 3, 96), (16, 1, 256)):
+        q, keys, values = attention_inputs(heads, kv_heads, d, capacity=96, n=11, seed=heads)
+        fast = RowAttention(simd, heads, kv_heads, d, d ** -0.5)
+        reference = RowAttention(portable, heads, kv_heads, d, d ** -0.5)
+        for seed, start in enumerate((0, 7, 16, 33, 80)):
+            generator = torch.Generator().manual_seed(seed)
+            parents = torch.tensor([-1] + [int(torch.randint(0, j, (1,), generator=generator))
+                                           for j in range(1, 11)])
+            ours = fast(q, keys, values, start, parents)
+            assert torch.isfinite(ours).all()
+            assert torch.equal(ours, reference(q, keys, values, start, parents)), (d, start)
+
+
 @pytest.mark.parametrize("architecture", ["qwen2", "qwen3"])
 def test_decoder_stack_equals_the_portable_build(simd: ctypes.CDLL, portable: ctypes.CDLL,
                                                  architecture: str) -> None:

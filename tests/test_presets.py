@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from localspec.pipeline import request_settings_for
 from localspec.presets import (
     DEFAULT_PRESET,
     Preset,
@@ -104,6 +105,16 @@ def test_full_preset_round_trip(tmp_path: Path) -> None:
     assert draft is not None and draft.model == "some-org/draft"
 
 
+def test_tree_width_reaches_the_request(tmp_path: Path) -> None:
+    """``[localspec] tree_width``: 1 (a chain) unless the preset says otherwise, and what the
+    pipeline puts in each request."""
+    assert load_preset(str(write(tmp_path, MINIMAL))).localspec.tree_width == 1
+    text = full().replace("draft_confidence_threshold = 0.25", "tree_width = 3")
+    preset = load_preset(str(write(tmp_path, text, "wide.toml")))
+    assert preset.localspec.tree_width == 3
+    assert request_settings_for(preset).tree_width == 3
+
+
 def test_minimal_preset_defaults(tmp_path: Path) -> None:
     """Only [target] model is required; everything else has defaults (plain decoding)."""
     preset = load_preset(str(write(tmp_path, MINIMAL)))
@@ -164,6 +175,10 @@ def test_integer_accepted_for_float(tmp_path: Path) -> None:
          ["[sampling] max_new_tokens = 0", "greater than or equal to 1"]),
         (full().replace("draft_confidence_threshold = 0.25", "draft_confidence_threshold = 1.0"),
          ["draft_confidence_threshold = 1.0", "less than 1"]),
+        (full().replace("draft_confidence_threshold = 0.25", "tree_width = 0"),
+         ["[localspec] tree_width = 0", "greater than or equal to 1"]),
+        (full().replace("draft_confidence_threshold = 0.25", "tree_width = 9"),
+         ["[localspec] tree_width = 9", "less than or equal to 8"]),
         (MINIMAL.replace('"cpu"', '"abacus"'), ["hardware = 'abacus' is not one of", "gpu-8gb"]),
         (full().replace('dtype = "float32"', 'dtype = "int3"'),
          ["[target] dtype = 'int3' is not one of", "bfloat16"]),
@@ -179,7 +194,8 @@ def test_integer_accepted_for_float(tmp_path: Path) -> None:
     ids=["top-level-key", "table-key", "table-key-sampling", "type-int", "type-bool",
          "type-int-not-bool", "type-float", "method", "head-without-model",
          "draft-without-model", "k-0", "k-33",
-         "lookup-min-max", "top-p", "max-new-tokens", "threshold", "hardware", "dtype", "device",
+         "lookup-min-max", "top-p", "max-new-tokens", "threshold", "tree-width-0",
+         "tree-width-9", "hardware", "dtype", "device",
          "quantization", "no-name", "empty-description", "no-target", "target-not-table"],
 )
 def test_invalid_preset_messages(tmp_path: Path, text: str, fragments: list[str]) -> None:

@@ -107,6 +107,32 @@ def test_builtin_head_is_lossless_and_accepted(qwen_pair: Pipeline, preset: str,
     assert result.stats.mean_accepted_length > least
 
 
+@pytest.mark.parametrize(("preset", "method", "width"),
+                         [("cpu-qwen-coder-draft", "draft_model", 2),
+                          ("cpu-qwen-coder-draft", "draft_model", 3),
+                          ("cpu-qwen-coder-eagle", "eagle3", 3)])
+def test_draft_trees_are_lossless_on_real_models(qwen_pair: Pipeline, preset: str, method: str,
+                                                 width: int) -> None:
+    """The drafter's best first guesses beside its chain, verified as a tree on the native 1.5B
+    (``[localspec] tree_width``): the target's own greedy tokens, with a draft model and with a
+    head over the target's features (that the kept path's features are moved into place is
+    test_tree.py's: wrong ones would cost acceptance, not exactness)."""
+    pipe = Pipeline.load(load_preset(preset), previous=qwen_pair)
+    assert pipe.target_runner().supports_trees
+    drafter = pipe.engine(method).drafter
+    assert isinstance(drafter, MultiDrafter)
+    engine = pipe.engine_with(drafter.members[-1])
+    for text in ("Explain in two sentences what a hash table is.",
+                 "Write a bash one-liner that counts the lines of every .py file in a folder."):
+        ids = pipe.encode_prompt(text)
+        plain = pipe.run(pipe.request(ids, max_new_tokens=48), "none")
+        result = pipe.run(pipe.request(ids, max_new_tokens=48, adaptive=False,
+                                       num_speculative_tokens=4, tree_width=width),
+                          engine=engine)
+        assert result.token_ids == plain.token_ids, text
+        assert any(len(e.drafted) > 4 for e in result.events)  # trees were drafted
+
+
 def test_auto_with_head_and_draft_model_is_lossless(qwen_pair: Pipeline) -> None:
     """"auto" with lookup, the built-in EAGLE-3 head ([localspec] head) and the 0.5B draft
     model ([speculative_config] model): all three load onto the loaded models and the answer

@@ -33,7 +33,12 @@ from localspec.sampling import SamplingParams, logits_to_probs, sample
 
 @dataclass(frozen=True)
 class Proposal:
-    """Draft tokens and, for drafters with a distribution, their q rows."""
+    """Draft tokens and, for drafters with a distribution, their q rows.
+
+    ``parents`` None: the tokens are one chain. Else they are a tree (greedy requests only):
+    ``parents[i]`` is where token i's parent sits in the target's feed ``[pending, *tokens]``
+    (0: the pending token), always an earlier place; a chain comes first (token i's parent is
+    i, for the first ``chain_length`` tokens), then the other candidates."""
 
     tokens: list[int]
     q_draft: torch.Tensor | None = None  # [len(tokens), vocab] or None (one-hot draft)
@@ -42,6 +47,15 @@ class Proposal:
     # drafting was off): paid once, not per draft, so adaptive k leaves it out of c_draft.
     sync_time: float = 0.0
     drafter: str | None = None  # which member of several drafted it (None: the drafter itself)
+    parents: tuple[int, ...] | None = None
+
+    @property
+    def chain_length(self) -> int:
+        """How many leading tokens form the chain (all of them when there is no tree)."""
+        if self.parents is None:
+            return len(self.tokens)
+        return next((i for i, parent in enumerate(self.parents) if parent != i),
+                    len(self.parents))
 
 
 class Calibration:
@@ -82,18 +96,24 @@ class DraftChain:
     (its confidence, through ``calibration`` when given) falls below ``confidence_threshold``
     (never before the first draft): such a token is likely rejected and each draft step costs
     time. Where to stop depends on q and on verdicts already given, never on this step's
-    target, so the output is exact whatever the chain's length."""
+    target, so the output is exact whatever the chain's length.
+
+    With ``width`` > 1 on a greedy request the proposal is a static tree: the chain, plus the
+    next ``width - 1`` best first guesses as its first token's siblings (taken from the first
+    distribution, so no extra draft pass); the target keeps whichever it agrees with."""
 
     def __init__(self, params: SamplingParams, generator: torch.Generator,
                  confidence_threshold: float = 0.0,
-                 calibration: Calibration | None = None) -> None:
+                 calibration: Calibration | None = None, width: int = 1) -> None:
         self.params = params
         self.generator = generator
         self.confidence_threshold = confidence_threshold
         self.calibration = calibration
+        self.width = width if params.greedy else 1
         self.tokens: list[int] = []
         self._q_rows: list[torch.Tensor] = []
         self._confidences: list[float] = []
+        self._siblings: list[tuple[int, float]] = []  # the other first guesses, best first
 
     def pick(self, logits: torch.Tensor) -> int | None:
         """The next draft from the drafter's logits [vocab_target], or None: stop drafting."""
@@ -109,6 +129,10 @@ class DraftChain:
                 best = self.calibration.chance(best)
             if best < self.confidence_threshold:
                 return None
+        if not self.tokens and self.width > 1:
+            top = torch.topk(probs, min(self.width, probs.shape[-1])).indices.tolist()
+            self._siblings = [(t, float(probs[t])) for t in top
+                              if t != token and probs[t] > 0][: self.width - 1]
         self.tokens.append(token)
         self._q_rows.append(probs)
         self._confidences.append(float(probs[token]))
@@ -116,7 +140,11 @@ class DraftChain:
 
     def proposal(self, sync_time: float = 0.0) -> Proposal:
         q_draft = None if self.params.greedy else torch.stack(self._q_rows)
-        return Proposal(self.tokens, q_draft, tuple(self._confidences), sync_time)
+        if not self._siblings:
+            return Proposal(self.tokens, q_draft, tuple(self._confidences), sync_time)
+        return Proposal([*self.tokens, *(t for t, _ in self._siblings)], None,
+                        (*self._confidences, *(c for _, c in self._siblings)), sync_time,
+                        parents=(*range(len(self.tokens)), *[0] * len(self._siblings)))
 
 
 class Drafter(ABC):
@@ -143,6 +171,13 @@ class Drafter(ABC):
         generator: torch.Generator,
     ) -> Proposal:
         """Return at most ``k`` draft tokens continuing ``context``."""
+
+    def propose_tree(self, context: list[int], k: int, width: int, params: SamplingParams,
+                     generator: torch.Generator) -> Proposal:
+        """A proposal at most ``k`` deep with up to ``width`` candidates for the first token
+        (``Proposal.parents``), asked for greedy requests only. A chain unless the drafter
+        overrides it (model-based drafters: ``DraftChain``'s ``width``)."""
+        return self.propose(context, k, params, generator)
 
     def sure(self, context: list[int]) -> bool:
         """Whether the next guess after ``context`` is well founded, known without drafting:

@@ -89,6 +89,12 @@ class DraftModelDrafter(Drafter):
         params: SamplingParams,
         generator: torch.Generator,
     ) -> Proposal:
+        return self.propose_tree(context, k, 1, params, generator)
+
+    def propose_tree(self, context: list[int], k: int, width: int, params: SamplingParams,
+                     generator: torch.Generator) -> Proposal:
+        """A chain of at most ``k``; with ``width`` > 1 (greedy) the next best first guesses
+        beside its first token (``DraftChain``)."""
         if k <= 0:
             return Proposal([])
         feed = self._sync(context)
@@ -98,7 +104,8 @@ class DraftModelDrafter(Drafter):
             self.runner.forward(feed[:-1], logits_to_keep=1)
             self._seen.extend(feed[:-1])
             feed, sync_time = feed[-1:], time.perf_counter() - start
-        chain = DraftChain(params, generator, self.confidence_threshold, self.calibration)
+        chain = DraftChain(params, generator, self.confidence_threshold, self.calibration,
+                           width)
         for _ in range(k):
             logits = self._to_target_vocab(self.runner.forward(feed, logits_to_keep=1)[-1])
             self._seen.extend(feed)

@@ -18,9 +18,10 @@ token lists, so the engine never tells it what was rejected.
 
 EAGLE-3's layers are those vLLM and the EAGLE authors read: the states entering layers 2,
 L // 2 and L - 3 of an L-layer target (or ``eagle_config.eagle_aux_hidden_state_layer_ids``).
-Drafting is one chain (no draft tree); sampled drafts come from the head's distribution, the q
-the verifier needs, so output is exact. The drafter does not load checkpoints
-(``head_layouts``) and does not verify.
+Drafting is one chain (for a greedy request with ``[localspec] tree_width`` > 1, plus the next
+best first guesses beside its first token: ``DraftChain``; no EAGLE-2 dynamic tree); sampled
+drafts come from the head's distribution, the q the verifier needs, so output is exact. The
+drafter does not load checkpoints (``head_layouts``) and does not verify.
 """
 
 from __future__ import annotations
@@ -88,7 +89,6 @@ class EagleDrafter(Drafter):
             return self.target.head_logits(hidden)[0]
         return self.head.draft_logits(hidden, self.target.vocab_size)[0]
 
-    @torch.inference_mode()
     def propose(
         self,
         context: list[int],
@@ -96,6 +96,13 @@ class EagleDrafter(Drafter):
         params: SamplingParams,
         generator: torch.Generator,
     ) -> Proposal:
+        return self.propose_tree(context, k, 1, params, generator)
+
+    @torch.inference_mode()
+    def propose_tree(self, context: list[int], k: int, width: int, params: SamplingParams,
+                     generator: torch.Generator) -> Proposal:
+        """A chain of at most ``k``; with ``width`` > 1 (greedy) the next best first guesses
+        beside its first token (``DraftChain``)."""
         last = len(context) - 2  # the target holds context[:-1]: features up to position last
         if k <= 0 or last < 0 or self.target.length <= last:
             return Proposal([])
@@ -112,7 +119,8 @@ class EagleDrafter(Drafter):
         self._tokens = list(context)
         for_logits, hidden = for_logits[-1:], hidden[-1:]  # [1, h] each
 
-        chain = DraftChain(params, generator, self.confidence_threshold, self.calibration)
+        chain = DraftChain(params, generator, self.confidence_threshold, self.calibration,
+                           width)
         for j in range(k):
             token = chain.pick(self._logits(for_logits))
             if token is None:

@@ -16,9 +16,11 @@ target's verify pass through ``ModelRunner.record_features`` (its final normed o
 the LM head reads).
 
 Lossless like every drafter here: the drafts are verified by the target as usual. Medusa's
-own "typical acceptance" (accept what is merely plausible) is NOT used, and tree drafts are
-not either: one chain of the heads' best (or sampled) guesses. Sampled drafts are drawn from
-each head's distribution, which is the q the verifier needs.
+own "typical acceptance" (accept what is merely plausible) is NOT used, nor are its large
+candidate trees: one chain of the heads' best (or sampled) guesses, or, for a greedy request
+with ``[localspec] tree_width`` > 1, that chain and the first head's next best guesses beside
+its first token (``DraftChain``). Sampled drafts are drawn from each head's distribution, which
+is the q the verifier needs.
 """
 
 from __future__ import annotations
@@ -65,7 +67,6 @@ class MedusaDrafter(Drafter):
         rows = self.heads.token_map
         return sub if rows is None else spread_logits(sub, rows, self.heads.vocab_size)
 
-    @torch.inference_mode()
     def propose(
         self,
         context: list[int],
@@ -73,12 +74,20 @@ class MedusaDrafter(Drafter):
         params: SamplingParams,
         generator: torch.Generator,
     ) -> Proposal:
+        return self.propose_tree(context, k, 1, params, generator)
+
+    @torch.inference_mode()
+    def propose_tree(self, context: list[int], k: int, width: int, params: SamplingParams,
+                     generator: torch.Generator) -> Proposal:
+        """A chain of at most ``k``; with ``width`` > 1 (greedy) the next best first guesses
+        beside its first token (``DraftChain``)."""
         # The target holds context[:-1]; the feature of context[-2] predicted context[-1].
         last = len(context) - 2
         if k <= 0 or last < 0 or self.target.length <= last:
             return Proposal([])
         feature = self.target.features(last, last + 1)  # [1, hidden]
-        chain = DraftChain(params, generator, self.confidence_threshold, self.calibration)
+        chain = DraftChain(params, generator, self.confidence_threshold, self.calibration,
+                           width)
         for i in range(min(k, self.heads.num_heads)):
             if chain.pick(self._logits(i, feature)) is None:
                 break

@@ -7,6 +7,12 @@ appends the target's own token; the cache is cropped back past the rejected draf
 drafter (method "none") the very same loop is plain decoding, so it is the reference for
 equality and speed.
 
+With ``tree_width`` > 1 on a greedy request (and a target runner that ``supports_trees``),
+model-based drafters add the next best first guesses beside the chain's first token: a small
+static tree fed in the same one pass, each node seeing only its root path, so each row's
+logits are those of a chain; the longest path whose tokens are the target's argmaxes is kept
+(``verify_tree``) and its keys and values moved into place (``ModelRunner.keep_path``).
+
 The engine knows token ids and asks the tokenizer only to decode text deltas; it does not
 apply chat templates, load models or render anything.
 """
@@ -23,7 +29,7 @@ from localspec.config import MAX_SPECULATIVE_TOKENS
 from localspec.drafters.base import Drafter, Proposal
 from localspec.drafters.multi import MultiDrafter
 from localspec.engine.choice import DrafterChoice, Shadows
-from localspec.engine.verify import Verdict, verify_greedy, verify_sampling
+from localspec.engine.verify import Verdict, verify_greedy, verify_sampling, verify_tree
 from localspec.errors import LocalSpecError
 from localspec.runtime.runner import ModelRunner
 from localspec.sampling import SamplingParams, logits_to_probs
@@ -44,6 +50,9 @@ class GenerationRequest:
     adaptive: bool = True
     stop_strings: tuple[str, ...] = ()
     seed: int = 0
+    # candidates for the first draft token, verified as a tree (greedy, where the target
+    # runner supports trees; 1: a chain)
+    tree_width: int = 1
 
 
 @dataclass(frozen=True)
@@ -146,13 +155,16 @@ class SpeculativeEngine:
             raise GenerationError(
                 f"num_speculative_tokens must be between 1 and {MAX_SPECULATIVE_TOKENS}, got {k}"
             )
+        if request.tree_width < 1:
+            raise GenerationError(f"tree_width must be >= 1, got {request.tree_width}")
         limit = self.target.max_length
         if limit and len(request.prompt_ids) >= limit:
             raise GenerationError(
                 f"the prompt is {len(request.prompt_ids)} tokens but the model's context holds "
                 f"{limit}: shorten the conversation or start a new one"
             )
-        room = limit - len(request.prompt_ids) - (k + 1) if limit else request.max_new_tokens
+        room = (limit - len(request.prompt_ids) - (k + request.tree_width) if limit
+                else request.max_new_tokens)
         return max(1, min(request.max_new_tokens, room))
 
     def generate(
@@ -179,6 +191,7 @@ class SpeculativeEngine:
         choice = DrafterChoice(len(members), request.num_speculative_tokens, request.adaptive)
         # what free drafters would have drafted, where the output alone says what was kept
         shadows = Shadows() if params.greedy and len(members) > 1 else None
+        width = request.tree_width if params.greedy and self.target.supports_trees else 1
         context = list(request.prompt_ids)
         if len(context) > 1:
             self.target.forward(context[:-1], logits_to_keep=1)
@@ -191,22 +204,37 @@ class SpeculativeEngine:
                 return
             t0 = time.perf_counter()
             k, used, proposal, draft_times = self._draft(members, choice, context,
-                                                         max_new - generated, params, generator)
+                                                         max_new - generated, params, generator,
+                                                         width)
             if shadows is not None:
                 self._shadow(members, set(draft_times), choice, shadows, context, params,
                              generator)
             t1 = time.perf_counter()
             drafts = proposal.tokens
-            logits = self.target.forward([context[-1], *drafts])  # [len(drafts) + 1, vocab]
-            verdict, p_rows = self._verify(logits, proposal, drafts, params, generator)
-            t2 = time.perf_counter()
-            # Keep the pending token and the accepted drafts; the target's token becomes pending.
-            self.target.crop(len(context) + verdict.num_accepted)
-            choice.record(used, len(drafts), verdict.num_accepted, draft_times, t2 - t1)
+            if proposal.parents is None:
+                logits = self.target.forward([context[-1], *drafts])  # [len(drafts) + 1, vocab]
+                verdict, p_rows = self._verify(logits, proposal, drafts, params, generator)
+                path = list(range(verdict.num_accepted + 1))
+                t2 = time.perf_counter()
+                # Keep the pending token and the accepted drafts; the target's token is pending.
+                self.target.crop(len(context) + verdict.num_accepted)
+            else:  # a tree: every node sees its root path only, the agreed path is kept
+                logits = self.target.forward([context[-1], *drafts],
+                                             parents=[-1, *proposal.parents])
+                verdict, path = verify_tree(logits, drafts, proposal.parents)
+                p_rows = torch.softmax(logits[path], dim=-1)  # the kept rows only
+                t2 = time.perf_counter()
+                self.target.keep_path(path)
+            chain = proposal.chain_length  # adaptive k and calibration judge the chain
+            choice.record(used, chain, verdict.num_accepted, draft_times, t2 - t1)
             if used is not None and (calibration := members[used].calibration) is not None:
-                calibration.record(proposal.confidences[: len(drafts)], verdict.num_accepted)
-
-            new_tokens = [*drafts[: verdict.num_accepted], verdict.token]
+                on_chain = path == list(range(len(path)))
+                calibration.record(proposal.confidences[:chain],
+                                   verdict.num_accepted if on_chain else 0)
+            # the kept path's drafts first: drafted[:accepted] are the accepted tokens
+            order = [*path[1:], *(r for r in range(1, len(drafts) + 1) if r not in path)]
+            accepted = [drafts[r - 1] for r in path[1:]]
+            new_tokens = [*accepted, verdict.token]
             kept, finish = self._cut(new_tokens, generated, max_new)
             context.extend(kept)
             if shadows is not None:
@@ -218,13 +246,14 @@ class SpeculativeEngine:
             yield StepEvent(
                 step=step,
                 k=k,
-                drafted=tuple(drafts),
+                drafted=tuple(drafts[r - 1] for r in order),
                 accepted=verdict.num_accepted,
                 target_token=verdict.token if len(kept) == len(new_tokens) else None,
                 target_token_kind="bonus" if verdict.is_bonus else "recovered",
                 tokens=tuple(kept),
                 p_target=tuple(float(p_rows[i, t]) for i, t in enumerate(kept)),
-                q_draft=tuple(proposal.confidences[: len(drafts)]),
+                q_draft=tuple(proposal.confidences[r - 1] for r in order
+                              if r <= len(proposal.confidences)),
                 text_delta=delta,
                 draft_time=t1 - t0,
                 verify_time=t2 - t1,
@@ -249,23 +278,27 @@ class SpeculativeEngine:
         room: int,
         params: SamplingParams,
         generator: torch.Generator,
+        width: int = 1,
     ) -> tuple[int, int | None, Proposal, dict[int, float]]:
         """Ask the drafters ``choice`` ranks, in turn, for at most ``room`` tokens; return the
         k asked last, the index of the drafter whose proposal has tokens (None: a plain step),
         that proposal (its ``drafter`` named) and each asked drafter's drafting seconds, its
         catch-up on the context left out (``Proposal.sync_time``). A drafter that knows for
         free that its next guess is well founded (n-gram lookup: a long match) says so; adaptive
-        k probes such a guess while drafting is off."""
+        k probes such a guess while drafting is off. With ``width`` > 1 each is asked for a tree
+        (``Drafter.propose_tree``)."""
         times: dict[int, float] = {}
         k = 0
         for attempt in choice.order([member.sure(context) for member in members]):
             choice.asked(attempt)
             member, k = members[attempt.index], min(attempt.k, room)
             start = time.perf_counter()
-            proposal = member.propose(context, k, params, generator)
+            proposal = (member.propose_tree(context, k, width, params, generator) if width > 1
+                        else member.propose(context, k, params, generator))
             times[attempt.index] = time.perf_counter() - start - proposal.sync_time
-            if proposal.tokens:
-                proposal = replace(proposal, tokens=proposal.tokens[:k],
+            if proposal.tokens:  # a tree is k deep at most by construction
+                tokens = proposal.tokens if proposal.parents else proposal.tokens[:k]
+                proposal = replace(proposal, tokens=tokens,
                                    drafter=proposal.drafter or member.name)
                 return k, attempt.index, proposal, times
         return k, None, Proposal([]), times

@@ -72,6 +72,30 @@ def verify_greedy(target_logits: torch.Tensor, draft_tokens: list[int]) -> Verdi
     return Verdict(num_accepted, target_argmax[num_accepted], num_accepted == k)
 
 
+def verify_tree(target_logits: torch.Tensor, draft_tokens: list[int],
+                parents: tuple[int, ...]) -> tuple[Verdict, list[int]]:
+    """Greedy verification of a draft tree: from the root (the pending token), descend to the
+    child that carries the target's argmax at the current row while there is one; the argmax
+    at the last row reached is the recovered token (bonus at a leaf). Every row's logits are
+    those of its root path fed as a chain, so the kept path is exactly the prefix plain
+    greedy decoding would have produced.
+
+    target_logits: [len(draft_tokens) + 1, vocab] for the feed ``[pending, *draft_tokens]``;
+    parents[i]: the row of token i's parent in that feed. Returns the verdict and the kept
+    path's rows, 0 first.
+    """
+    target_argmax = target_logits.argmax(dim=-1).tolist()  # [len(draft_tokens) + 1]
+    children: dict[int, list[int]] = {}
+    for i, parent in enumerate(parents):
+        children.setdefault(parent, []).append(i + 1)
+    path = [0]
+    while (child := next((c for c in children.get(path[-1], ())
+                          if draft_tokens[c - 1] == target_argmax[path[-1]]), None)) is not None:
+        path.append(child)
+    leaf = path[-1] not in children
+    return Verdict(len(path) - 1, target_argmax[path[-1]], leaf), path
+
+
 def verify_sampling(
     p_target: torch.Tensor,
     q_draft: torch.Tensor | None,

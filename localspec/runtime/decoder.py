@@ -202,15 +202,24 @@ class CpuDecoder:
             scale=self.scaling, enable_gqa=gqa)[0] for j in range(n)]
         return rows[0] if n == 1 else torch.cat(rows, dim=1)
 
+    @property
+    def supports_trees(self) -> bool:
+        """Whether ``forward`` takes ``parents`` (the native row attention serves the layers)."""
+        return self.row_attention is not None
+
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, cache: KVCache, start: int,
+                parents: torch.Tensor | None = None) -> torch.Tensor:
         """Feed ``ids`` [n] at positions start..start+n-1; return final-normed hidden [n, d]
-        in float32. Positions from ``start`` on are overwritten in ``cache``."""
-        return self.forward_features(ids, cache, start, ())[0]
+        in float32. Rows from ``start`` on are overwritten in ``cache``. ``parents`` [n]
+        (-1, then each row's parent, an earlier row): the rows form a tree, row j at position
+        start + its depth, attending the prefix and its root path (``supports_trees``)."""
+        return self.forward_features(ids, cache, start, (), parents)[0]
 
     @torch.inference_mode()
     def forward_features(self, ids: torch.Tensor, cache: KVCache, start: int,
-                         layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+                         layers: tuple[int, ...], parents: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``forward``, plus the hidden states entering each of ``layers`` (numbered as Hugging
         Face's ``hidden_states``: 0 the embeddings, ``len(self.layers)`` the final normed
         output), concatenated: [n, len(layers) * d] float32, None when ``layers`` is empty.
@@ -220,18 +229,27 @@ class CpuDecoder:
         cache.reserve(end)
         x = F.embedding(ids, self.embed).float()
         positions = torch.arange(start, end).unsqueeze(0)
+        if parents is not None:
+            if not self.supports_trees or n > ROW_ATTENTION_MAX:
+                raise ValueError(f"a tree of {n} rows needs the native row attention and at "
+                                 f"most {ROW_ATTENTION_MAX} rows")
+            depth = [0] * n
+            for j in range(1, n):
+                depth[j] = depth[int(parents[j])] + 1
+            positions = (start + torch.tensor(depth)).unsqueeze(0)
         cos, sin = self.rotary(x, positions)
         cos, sin = cos[0].float(), sin[0].float()  # [n, head_dim]
         entering: dict[int, torch.Tensor] = {}
         if self.native is not None and n <= ROW_ATTENTION_MAX:
             inner = [i for i in layers if i < len(self.layers)]
             # x (the embedding's fresh copy) is rewritten in place by every layer
-            features = self.native(x, cos, sin, cache.keys, cache.values, start, inner)
+            features = self.native(x, cos, sin, cache.keys, cache.values, start, inner,
+                                   parents)
             width = x.shape[1]
             entering = {i: features[:, slot * width:(slot + 1) * width]  # type: ignore[index]
                         for slot, i in enumerate(inner)}
         else:
-            x = self._layers(x, cos, sin, cache, start, layers, entering)
+            x = self._layers(x, cos, sin, cache, start, layers, entering, parents)
         hidden = self._rms(x, self.norm)
         if not layers:
             return hidden, None
@@ -239,10 +257,11 @@ class CpuDecoder:
         return hidden, torch.cat([entering[i] for i in layers], dim=-1)
 
     def _layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
-                start: int, layers: tuple[int, ...], entering: dict[int, torch.Tensor]
-                ) -> torch.Tensor:
+                start: int, layers: tuple[int, ...], entering: dict[int, torch.Tensor],
+                parents: torch.Tensor | None = None) -> torch.Tensor:
         """The layers in tensor calls (int8 or dense layers, long prompts); the output before
-        the final norm. ``entering`` receives the inputs of ``layers``."""
+        the final norm. ``entering`` receives the inputs of ``layers``; ``parents``: a tree
+        (row attention only)."""
         n = x.shape[0]
         end = start + n
         half = self.head_dim // 2
@@ -268,7 +287,8 @@ class CpuDecoder:
             cache.keys[i, :, start:end] = rope(k.transpose(0, 1))
             cache.values[i, :, start:end] = v.transpose(0, 1)
             if self.row_attention is not None and mask is None:
-                out = self.row_attention(rope(q), cache.keys[i], cache.values[i], start)
+                out = self.row_attention(rope(q), cache.keys[i], cache.values[i], start,
+                                         parents)
             else:
                 out = self._attend(rope(q).to(self.dtype), cache.keys[i], cache.values[i],
                                    start, mask).transpose(0, 1).reshape(n, q_size).float()

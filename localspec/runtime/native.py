@@ -90,11 +90,14 @@ class NativeStack:
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  keys: torch.Tensor, values: torch.Tensor, start: int,
-                 feature_layers: Sequence[int] = ()) -> torch.Tensor | None:
+                 feature_layers: Sequence[int] = (),
+                 parents: torch.Tensor | None = None) -> torch.Tensor | None:
         """Run every layer over x [n, hidden] float32 (in place: the last layer's output,
         before the final norm) at positions start..; keys and values are the cache's
         [layers, kv_heads, capacity, head_dim] bf16 tensors. Returns the hidden states entering
-        ``feature_layers`` (each < the number of layers) as [n, len * hidden], or None."""
+        ``feature_layers`` (each < the number of layers) as [n, len * hidden], or None.
+        ``parents`` [n] int64: the rows form a tree (see ``attend_tree``), cos and sin are at
+        each row's own position."""
         n = x.shape[0]
         if not (x.dtype == torch.float32 and x.is_contiguous() and keys.is_contiguous()
                 and values.is_contiguous()) or start + n > keys.shape[2]:
@@ -104,10 +107,15 @@ class NativeStack:
         count = len(feature_layers)
         features = torch.empty(n, count * self.hidden) if count else None
         wanted = (ctypes.c_int64 * max(count, 1))(*feature_layers)
+        if parents is not None:
+            parents = parents.to(torch.int64).contiguous()
+            if parents.shape != (n,):
+                raise ValueError(f"parents must hold one row index per row ({n})")
         step = KStep(x.data_ptr(), n, start, cos.data_ptr(), sin.data_ptr(), keys.data_ptr(),
                      values.data_ptr(), keys.shape[2],
                      None if features is None else features.data_ptr(),
-                     ctypes.addressof(wanted), count)
+                     ctypes.addressof(wanted), count,
+                     None if parents is None else parents.data_ptr())
         status = self._run(ctypes.byref(self._model), ctypes.byref(step),
                            torch.get_num_threads())
         if status == -1:

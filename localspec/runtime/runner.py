@@ -2,9 +2,11 @@
 
 A runner owns one sequence's KV cache and offers three operations: feed new tokens and get
 their logits (and last hidden states, for feature-level drafters), roll the cache back to a
-length, and reset. Two forwards can sit under it: a Hugging Face causal LM (any architecture,
-any device), or ``CpuDecoder`` (Llama-family models on a CPU: int8 kernels, a static cache
-whose rollback is a length change).
+length, and reset. Where the native CPU decoder runs, new tokens may also form a tree (each
+sees its root path only: draft trees verified in one pass) of which ``keep_path`` keeps one.
+Two forwards can sit under it: a Hugging Face causal LM (any architecture, any device), or
+``CpuDecoder`` (Llama-family models on a CPU: int8 kernels, a static cache whose rollback is
+a length change).
 
 The Hugging Face forward keeps a ``DynamicCache`` (it grows as tokens come), or, with
 ``static_cache=N``, a ``StaticCache`` of N positions allocated once: rollback and reset move
@@ -40,6 +42,7 @@ The runner deliberately does not sample, verify or tokenize.
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import pairwise
 
 import torch
 from torch import nn
@@ -86,6 +89,7 @@ class ModelRunner:
         self._features: torch.Tensor | None = None  # [capacity, len(feature_layers) * hidden]
         self._features_from = 0  # positions before this were fed while not recording
         self._graphed = None  # the compiled step (cuda_graphs; Hugging Face forward only)
+        self._tree: tuple[int, list[int]] | None = None  # the last tree fed: start, parents
         if decoder is not None:
             # int8 logits are exact int32 sums, the same in any batch: no float32 refinement.
             self.kv_cache: KVCache = decoder.new_cache()
@@ -172,6 +176,7 @@ class ModelRunner:
         self.length = 0
         self.last_hidden = None
         self._features_from = 0
+        self._tree = None
 
     def record_features(self, layers: tuple[int, ...] | None) -> None:
         """From the next forward on, keep for every token fed the hidden states entering each of
@@ -233,21 +238,42 @@ class ModelRunner:
         return lambda hidden: spread_logits(self.head_logits(hidden)[:, rows], rows,
                                             self.vocab_size)
 
+    @property
+    def supports_trees(self) -> bool:
+        """Whether ``forward`` takes a tree (``parents``): where the native CPU decoder's row
+        attention runs; a Hugging Face forward (any device) feeds chains only."""
+        return self.decoder is not None and self.decoder.supports_trees
+
     @torch.inference_mode()
-    def forward(self, token_ids: list[int], logits_to_keep: int | None = None) -> torch.Tensor:
+    def forward(self, token_ids: list[int], logits_to_keep: int | None = None,
+                parents: list[int] | None = None) -> torch.Tensor:
         """Append ``token_ids`` to the cache; return float logits [n_kept, vocab].
 
         ``logits_to_keep`` limits the LM head to the last positions (prefill needs one).
+        ``parents`` (``supports_trees`` only): the tokens form a tree, ``parents[j]`` the index
+        of j's parent among them (-1 for token 0, the root, then earlier tokens); token j sits
+        at position length + its depth and sees the cache and its root path, so its logits are
+        those its path fed as a chain gives. Its keys and values go to cache row length + j
+        until ``keep_path`` keeps one path.
         """
         keep = slice(-logits_to_keep, None) if logits_to_keep else slice(None)
         layers = self.feature_layers
+        tree, self._tree = None, None
+        if parents is not None:
+            if not self.supports_trees:
+                raise ValueError("this runner feeds chains only (supports_trees is False)")
+            if len(parents) != len(token_ids) or not parents or parents[0] != -1 or any(
+                    not 0 <= parent < j for j, parent in enumerate(parents) if j):
+                raise ValueError(f"parents must be -1, then earlier indices; got {parents}")
+            tree = torch.tensor(parents, dtype=torch.long)
+            self._tree = (self.length, list(parents))
         if self.decoder is not None:
             ids = torch.tensor(token_ids, dtype=torch.long)
             if layers is None:
-                hidden = self.decoder.forward(ids, self.kv_cache, self.length)
+                hidden = self.decoder.forward(ids, self.kv_cache, self.length, tree)
             else:
                 hidden, features = self.decoder.forward_features(ids, self.kv_cache,
-                                                                 self.length, layers)
+                                                                 self.length, layers, tree)
                 self._keep_features(self.length, features)
             self.length += len(token_ids)
             self.last_hidden = hidden[keep]
@@ -333,6 +359,26 @@ class ModelRunner:
             for hidden in (False, True):
                 self._backbone([0] * width, hidden)
                 self.cache.crop(-width)
+
+    @torch.inference_mode()
+    def keep_path(self, rows: list[int]) -> None:
+        """After a tree ``forward``: keep the tokens ``rows`` (indices into it, a root path in
+        depth order: 0, a child of 0, ...) at positions start, start + 1, ... with their keys,
+        values and features, and drop the rest: the cache a chain of those tokens leaves."""
+        if self._tree is None or self._tree[0] + len(self._tree[1]) != self.length:
+            raise ValueError("keep_path follows a tree forward, before any other change")
+        start, parents = self._tree
+        if not rows or rows[0] != 0 or any(parents[b] != a for a, b in pairwise(rows)):
+            raise ValueError(f"rows {rows} are not a root path of the tree {parents}")
+        source = torch.tensor(rows) + start
+        target = torch.arange(start, start + len(rows))
+        if not torch.equal(source, target):  # only an off-chain path has rows to move
+            for store in (self.kv_cache.keys, self.kv_cache.values):
+                store[:, :, target] = store[:, :, source]  # the right side is a copy
+            if self._features is not None and self._features_from <= start:
+                self._features[target] = self._features[source]
+        self.length = start + len(rows)
+        self._tree = None
 
     def crop(self, length: int) -> None:
         """Roll the cache back so that it holds the first ``length`` tokens."""

@@ -11,7 +11,8 @@ prompts or the user's JSONL, ``max_new_tokens`` each):
 2. the preset's own settings, then one setting at a time around the best so far (a coordinate
    search): the method (each one the preset can run, plain decoding and ``auto`` included),
    ``auto``'s members (every set of two or more of the preset's own), n-gram lookup first, the
-   most drafts a step and the draft's confidence threshold. A
+   most drafts a step, the draft's confidence threshold and, where the target feeds draft
+   trees (the native CPU decoder), the tree width (1, 2, 3). A
    candidate replaces the best only when it is faster by more than ``MARGIN`` over all prompts
    (tokens over seconds): one run of each is noisy, and a setting that merely ties is no reason
    to change;
@@ -64,6 +65,7 @@ class Settings:
     k: int
     threshold: float
     lookup_first: bool
+    tree_width: int = 1
     members: tuple[str, ...] = ()  # "auto"'s, as [localspec] drafters lists them
 
     def label(self) -> str:
@@ -76,6 +78,8 @@ class Settings:
                       f"lookup_first {str(self.lookup_first).lower()}"]
         elif self.method == AUTO:
             parts.append(f"threshold {self.threshold:g}")
+        if self.tree_width > 1:
+            parts.append(f"tree {self.tree_width}")
         return ", ".join(parts)
 
 
@@ -83,14 +87,15 @@ def settings_of(preset: Preset) -> Settings:
     return Settings(preset.speculative_config.method,
                     preset.speculative_config.num_speculative_tokens,
                     preset.localspec.draft_confidence_threshold, preset.localspec.lookup_first,
-                    preset.drafter_methods(AUTO))
+                    preset.localspec.tree_width, preset.drafter_methods(AUTO))
 
 
 def with_settings(preset: Preset, s: Settings) -> Preset:
     """``preset`` with ``s`` (validated as a preset file is)."""
     data = preset.model_dump(exclude_none=True)
     data["speculative_config"].update(method=s.method, num_speculative_tokens=s.k)
-    data["localspec"].update(draft_confidence_threshold=s.threshold, lookup_first=s.lookup_first)
+    data["localspec"].update(draft_confidence_threshold=s.threshold, lookup_first=s.lookup_first,
+                             tree_width=s.tree_width)
     if s.method != AUTO:  # the members of "auto" are listed only for it
         data["localspec"].pop("drafters", None)
     elif s.members:
@@ -159,11 +164,15 @@ def measure(pipe: Pipeline, s: Settings, encoded: list[list[int]], max_new: int,
     return out
 
 
-STAGES = ("method", "auto's drafters", "lookup first", "drafts a step", "confidence threshold")
+STAGES = ("method", "auto's drafters", "lookup first", "drafts a step", "confidence threshold",
+          "tree width")
+TREE_WIDTHS = (1, 2, 3)
 
 
-def options(stage: str, best: Settings, methods: list[str]) -> list[Settings]:
-    """The candidates of one stage of the coordinate search, around ``best``."""
+def options(stage: str, best: Settings, methods: list[str], trees: bool = False
+            ) -> list[Settings]:
+    """The candidates of one stage of the coordinate search, around ``best``; tree widths only
+    where the target runner ``trees`` (feeds draft trees)."""
     if stage == "method":
         return [dataclasses.replace(best, method=m) for m in methods]
     if best.method == "none":
@@ -179,6 +188,8 @@ def options(stage: str, best: Settings, methods: list[str]) -> list[Settings]:
         return [dataclasses.replace(best, lookup_first=v) for v in (False, True)]
     if stage == "confidence threshold" and (model or best.method == AUTO):
         return [dataclasses.replace(best, threshold=t) for t in THRESHOLDS]
+    if stage == "tree width" and trees and (model or best.method == AUTO):
+        return [dataclasses.replace(best, tree_width=w) for w in TREE_WIDTHS]
     return []
 
 
@@ -209,7 +220,8 @@ def tuned_text(source: str, preset: Preset, s: Settings, header: str) -> str:
     for table, key, value in (("speculative_config", "method", s.method),
                               ("speculative_config", "num_speculative_tokens", s.k),
                               ("localspec", "draft_confidence_threshold", s.threshold),
-                              ("localspec", "lookup_first", s.lookup_first)):
+                              ("localspec", "lookup_first", s.lookup_first),
+                              ("localspec", "tree_width", s.tree_width)):
         if table not in doc:
             doc.add(table, tomlkit.table())
         doc[table][key] = value  # type: ignore[index]
@@ -247,7 +259,7 @@ def run_tune(pipe: Pipeline, preset_name: str, encoded: list[list[int]], max_new
     best = seen[start] = plain if start.method == "none" else run(start)
     trials = []
     for stage in STAGES:
-        for s in options(stage, best.settings, methods):
+        for s in options(stage, best.settings, methods, pipe.target_runner().supports_trees):
             if s not in seen:
                 seen[s] = run(s)
             m = seen[s]

@@ -9,17 +9,18 @@ one, which ruins verification, and torchao's W4A8 CPU kernels are not in its PyP
 ``kquant_matmul.c`` multiplies Q4_K weights, exactly as the file holds them, by int8
 activations, flat up to several rows and bit-identical whatever the number of rows; it does the
 same for the file's Q6_K matrices (the LM head, half the v and down projections of a Q4_K_M
-file), which int8 would read at 8 bits instead of 6.6. ``attention.c`` attends new rows over a
-bf16 KV cache (``RowAttention``) and ``decoder_stack.c`` runs the whole decoder stack in one
-call (``decoder_forward``, used by ``localspec.runtime.native``): with the matrices this fast,
-the tensor calls between them from Python would be a sixth of a step.
+file), which int8 would read at 8 bits instead of 6.6. ``attention.c`` attends new rows (a
+chain, or a draft tree) over a bf16 KV cache (``RowAttention``) and ``decoder_stack.c`` runs
+the whole decoder stack in one call (``decoder_forward``, used by
+``localspec.runtime.native``): with the matrices this fast, the tensor calls between them from
+Python would be a sixth of a step.
 
 Modules: ``library`` builds and loads the library (variants, CPU features, the cache),
 ``abi`` mirrors its C interface for ctypes and checks it, ``row_attention`` wraps
-``attend_rows``, ``kquant_formats`` holds the Q4_K / Q5_K / Q6_K weight formats (parse,
-quantize, pack) and ``q32_formats`` the Q8_0 / Q4_0 ones. Where no variant can be built,
-``load_kernels`` says why and callers keep the oneDNN int8 path. The names below are the
-package's public interface.
+``attend_rows`` and ``attend_tree``, ``kquant_formats`` holds the Q4_K / Q5_K / Q6_K weight
+formats (parse, quantize, pack) and ``q32_formats`` the Q8_0 / Q4_0 ones. Where no variant can
+be built, ``load_kernels`` says why and callers keep the oneDNN int8 path. The names below are
+the package's public interface.
 """
 
 from localspec.runtime.kernels.kquant_formats import (

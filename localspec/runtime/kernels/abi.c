@@ -49,6 +49,7 @@ int64_t kernels_layout(char *out, int64_t size) {
     FIELD(KModel, intermediate); FIELD(KModel, eps); FIELD(KModel, scale); END();
     STRUCT(KStep); FIELD(KStep, x); FIELD(KStep, n); FIELD(KStep, start); FIELD(KStep, cos);
     FIELD(KStep, sin); FIELD(KStep, keys); FIELD(KStep, values); FIELD(KStep, capacity);
-    FIELD(KStep, features); FIELD(KStep, feature_layers); FIELD(KStep, count); END();
+    FIELD(KStep, features); FIELD(KStep, feature_layers); FIELD(KStep, count);
+    FIELD(KStep, parents); END();
     return text.length;
 }

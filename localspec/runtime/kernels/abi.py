@@ -30,7 +30,7 @@ from localspec.runtime.kernels.q32_formats import (
     Q8_0_PACKED,
 )
 
-ABI_VERSION = 3  # kernels.h's KERNELS_ABI_VERSION
+ABI_VERSION = 4  # kernels.h's KERNELS_ABI_VERSION
 # KPart kinds (kernels.h): ggml's type numbers for the legacy types, the bits for k-quants
 KIND_Q4_0, KIND_Q4_K, KIND_Q5_K, KIND_Q6_K, KIND_Q8_0 = 2, 4, 5, 6, 8
 MAX_PARTS = 4  # linear layers side by side in one fused projection
@@ -75,7 +75,7 @@ class KStep(ctypes.Structure):
     _fields_ = [("x", _pointer), ("n", _size), ("start", _size), ("cos", _pointer),
                 ("sin", _pointer), ("keys", _pointer), ("values", _pointer),
                 ("capacity", _size), ("features", _pointer), ("feature_layers", _pointer),
-                ("count", _size)]
+                ("count", _size), ("parents", _pointer)]
 
 
 # name -> (restype, argtypes), as kernels.h declares them
@@ -94,6 +94,9 @@ FUNCTIONS: dict[str, tuple[type, list[type]]] = {
     # q, keys, values, capacity, start, n, heads, kv_heads, head_dim, scale, out, threads
     "attend_rows": (_int, [_pointer, _pointer, _pointer, *[_size] * 6, _float, _pointer,
                            _int]),
+    # the same with parents (the tree's, after n) before heads
+    "attend_tree": (_int, [_pointer, _pointer, _pointer, *[_size] * 3, _pointer, *[_size] * 3,
+                           _float, _pointer, _int]),
     "decoder_forward": (_int, [ctypes.POINTER(KModel), ctypes.POINTER(KStep), _int]),
     "kernels_rows_per_pass": (_size, []),
 }

@@ -132,7 +132,9 @@ static void rope_and_cache(const KModel *M, const KLayer *L, const KStep *S, con
 
 /* step->x [n, hidden]: the embeddings in, the last layer's output (before the final norm)
  * out. Every layer's keys and values at positions start.. are written to the cache;
- * step->features receives the hidden states entering each of step->feature_layers. */
+ * step->features receives the hidden states entering each of step->feature_layers. Rows
+ * that form a tree (step->parents) attend along their root paths; their positions are in
+ * cos and sin (the caller's: start + depth). */
 int decoder_forward(const KModel *model, const KStep *step, int threads) {
     const KModel *M = model;
     const KStep *S = step;
@@ -160,8 +162,12 @@ int decoder_forward(const KModel *model, const KStep *step, int threads) {
         uint16_t *kc = S->keys + i * M->kv_heads * S->capacity * d;
         uint16_t *vc = S->values + i * M->kv_heads * S->capacity * d;
         rope_and_cache(M, L, S, qkv, kc, vc, qrows);
-        if ((status = attend_rows(qrows, kc, vc, S->capacity, S->start, n, M->heads,
-                                  M->kv_heads, d, M->scale, attn, threads))) break;
+        status = S->parents
+            ? attend_tree(qrows, kc, vc, S->capacity, S->start, n, S->parents, M->heads,
+                          M->kv_heads, d, M->scale, attn, threads)
+            : attend_rows(qrows, kc, vc, S->capacity, S->start, n, M->heads, M->kv_heads, d,
+                          M->scale, attn, threads);
+        if (status) break;
         if ((status = fused_linear(&L->o, attn, n, q_size, h, threads))) break;
         for (int64_t e = 0; e < n * hidden; e++) x[e] += h[e];
         rms_norm(x, L->norm2, n, hidden, M->eps, h);

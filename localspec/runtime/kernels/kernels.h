@@ -4,7 +4,7 @@
  *   kquant_matmul.c  products over GGUF Q4_K, Q5_K, Q6_K, Q8_0 and Q4_0 weights (activations
  *                    quantized to int8 here); the per-instruction-set inner loops are
  *                    kquant_<variant>.h
- *   attention.c      attention of new query rows over a bf16 KV cache (attend_rows)
+ *   attention.c      attention of new query rows over a bf16 KV cache (attend_rows, attend_tree)
  *   decoder_stack.c  the whole decoder stack of a Llama-family model in one call
  *   abi.c            what the loader checks before any use: ABI version, struct layouts
  *   vec16.h          the 16-lane float vector those are written in, one implementation per
@@ -31,7 +31,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define KERNELS_ABI_VERSION 3
+#define KERNELS_ABI_VERSION 4
 
 #if defined(KERNELS_AVX512) + defined(KERNELS_AVX2) > 1
 #error "build one variant: KERNELS_AVX512, KERNELS_AVX2 or neither (portable)"
@@ -170,6 +170,7 @@ typedef struct {
     float *features;                /* [n][count][hidden], NULL when count is 0 */
     const int64_t *feature_layers;  /* [count] */
     int64_t count;
+    const int64_t *parents;         /* [n]: the rows form a tree (attend_tree); NULL: a chain */
 } KStep;
 
 /* 64-bit targets (what torch ships for), every field at its natural alignment: no padding,
@@ -181,7 +182,7 @@ static_assert(sizeof(KFused) == 8 + MAX_PARTS * 64, "KFused: the count, then the
 static_assert(sizeof(KLayer) == 32 + 4 * sizeof(KFused) && offsetof(KLayer, qkv) == 32,
               "KLayer: the four norms, then four projections");
 static_assert(sizeof(KModel) == 64 && offsetof(KModel, eps) == 56, "KModel: no padding");
-static_assert(sizeof(KStep) == 88 && offsetof(KStep, count) == 80, "KStep: no padding");
+static_assert(sizeof(KStep) == 96 && offsetof(KStep, parents) == 88, "KStep: no padding");
 
 /* ------------------------------------------------------------------------ the exported API
  * Every function returns 0, -1 when scratch memory could not be had, -2 for a shape it does
@@ -209,6 +210,11 @@ KERNELS_API int q4_0_linear(const float *x, int64_t m_rows, int64_t k, const uin
 KERNELS_API int attend_rows(const float *q, const uint16_t *keys, const uint16_t *values,
                             int64_t capacity, int64_t start, int64_t n, int64_t heads,
                             int64_t kv_heads, int64_t d, float scale, float *out, int threads);
+/* The same for n new rows that form a tree: parents[j] < j, parents[0] == -1 (attention.c). */
+KERNELS_API int attend_tree(const float *q, const uint16_t *keys, const uint16_t *values,
+                            int64_t capacity, int64_t start, int64_t n, const int64_t *parents,
+                            int64_t heads, int64_t kv_heads, int64_t d, float scale, float *out,
+                            int threads);
 /* Every layer of ``model`` over the rows of ``step`` (see decoder_stack.c). */
 KERNELS_API int decoder_forward(const KModel *model, const KStep *step, int threads);
 
