@@ -158,6 +158,16 @@ def test_autos_member_sets_are_searched_and_written(presets: dict[str, str],
     assert again.drafter_methods() == ("ngram", "eagle3") and again.head_source() == "some/head"
     assert tuning.options("auto's drafters", dataclasses.replace(start, method="ngram"),
                           ["auto"]) == []
+    for method in ("none", "ngram", "draft_model", "eagle3"):  # the method stage's candidates
+        alone = dataclasses.replace(start, method=method)
+        tuned = tuning.with_settings(preset, alone)
+        assert tuned.localspec.head is None and tuned.localspec.drafters == ()
+        (tmp_path / "alone.toml").write_text(tuning.tuned_text(text, preset, alone, ""),
+                                             encoding="utf-8")
+        saved_alone = load_preset(str(tmp_path / "alone.toml"))
+        assert saved_alone.speculative_config.method == method
+        if method == "eagle3":  # a lone head is [speculative_config] model
+            assert tuned.head_source() == saved_alone.head_source() == "some/head"
 
 
 def test_a_setting_whose_output_differs_is_never_chosen(

@@ -90,16 +90,33 @@ def settings_of(preset: Preset) -> Settings:
                     preset.localspec.tree_width, preset.drafter_methods(AUTO))
 
 
+def changes(preset: Preset, s: Settings) -> list[tuple[str, str, Any]]:
+    """(table, key, value) that give ``preset`` the settings ``s``; a value None removes the key.
+    "auto"'s members and ``[localspec] head`` are for it only: another method drops them, and
+    a head method alone reads its head from ``[speculative_config] model``."""
+    auto = s.method == AUTO
+    out: list[tuple[str, str, Any]] = [
+        ("speculative_config", "method", s.method),
+        ("speculative_config", "num_speculative_tokens", s.k),
+        ("localspec", "draft_confidence_threshold", s.threshold),
+        ("localspec", "lookup_first", s.lookup_first),
+        ("localspec", "tree_width", s.tree_width),
+        ("localspec", "drafters", list(s.members) if auto and s.members else None)]
+    if not auto and preset.localspec.head is not None:
+        out.append(("localspec", "head", None))
+        if drafter_spec(s.method).needs == "head":
+            out.append(("speculative_config", "model", preset.head_source()))
+    return out
+
+
 def with_settings(preset: Preset, s: Settings) -> Preset:
     """``preset`` with ``s`` (validated as a preset file is)."""
     data = preset.model_dump(exclude_none=True)
-    data["speculative_config"].update(method=s.method, num_speculative_tokens=s.k)
-    data["localspec"].update(draft_confidence_threshold=s.threshold, lookup_first=s.lookup_first,
-                             tree_width=s.tree_width)
-    if s.method != AUTO:  # the members of "auto" are listed only for it
-        data["localspec"].pop("drafters", None)
-    elif s.members:
-        data["localspec"]["drafters"] = list(s.members)
+    for table, key, value in changes(preset, s):
+        if value is None:
+            data[table].pop(key, None)
+        else:
+            data[table][key] = value
     return parse_preset(data, where=f"preset '{preset.name}' with {s.label()}")
 
 
@@ -217,18 +234,13 @@ def check_name(name: str) -> bool:
 def tuned_text(source: str, preset: Preset, s: Settings, header: str) -> str:
     """``source`` (the preset's TOML) with ``s``, a new name and ``header`` on top."""
     doc = tomlkit.parse(source)
-    for table, key, value in (("speculative_config", "method", s.method),
-                              ("speculative_config", "num_speculative_tokens", s.k),
-                              ("localspec", "draft_confidence_threshold", s.threshold),
-                              ("localspec", "lookup_first", s.lookup_first),
-                              ("localspec", "tree_width", s.tree_width)):
+    for table, key, value in changes(preset, s):
         if table not in doc:
             doc.add(table, tomlkit.table())
-        doc[table][key] = value  # type: ignore[index]
-    if s.method != AUTO and "drafters" in doc["localspec"]:  # type: ignore[operator]
-        del doc["localspec"]["drafters"]  # type: ignore[union-attr]
-    elif s.method == AUTO and s.members:
-        doc["localspec"]["drafters"] = list(s.members)  # type: ignore[index]
+        if value is not None:
+            doc[table][key] = value  # type: ignore[index]
+        elif key in doc[table]:  # type: ignore[operator]
+            del doc[table][key]  # type: ignore[union-attr]
     doc["name"] = f"{preset.name} (tuned)"
     return header + tomlkit.dumps(doc)
 
