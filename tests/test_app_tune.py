@@ -4,6 +4,7 @@ preset of that name alone."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -62,4 +63,13 @@ def test_stop_tuning_saves_nothing(tiny: ChatApp) -> None:
     assert "tuning stopped: nothing was saved" in text and dropdown == {"__type__": "update"}
     name = tuning.tuned_name(tiny.host.status().active)
     assert not (user_presets_root() / f"{name}.toml").exists()
+    assert not tiny.host.generation_lock.locked()
+
+
+def test_no_loaded_preset_is_a_notice(tiny: ChatApp, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A start whose preset failed to load: a notice, and the turn is handed back."""
+    status = tiny.host.status()
+    monkeypatch.setattr(tiny.host, "status", lambda: dataclasses.replace(status, active=None))
+    text, dropdown = list(tuning_view.tune_here(tiny, "s"))[-1]
+    assert "No preset is loaded." in text and dropdown == {"__type__": "update"}
     assert not tiny.host.generation_lock.locked()

@@ -4,8 +4,8 @@ It runs ``training.tuning`` on the host's engine thread (where every generation 
 the generation lock as an answer does, so a chat waits for it and it waits for a chat. Its
 progress lines show as they come; at the end its tables, and the preset dropdown lists the
 tuned preset (``<preset>-tuned``); "Stop tuning" ends it before its next run, saving nothing.
-The built-in prompts, ``TUNE_TOKENS`` new tokens each and two
-before/after rounds: about two minutes for the default preset on 2 cores.
+The built-in prompts, ``TUNE_TOKENS`` new tokens each and two before/after rounds: about two
+minutes for the default preset on 2 cores.
 """
 
 from __future__ import annotations
@@ -42,7 +42,11 @@ def tune_here(app: ChatApp, session: str) -> Iterator[Update]:
             yield notice_html(why_not), gr.update()
             return
         try:  # the preset read with the turn held: a switch cannot come between
-            yield from _tune(app, app.host.status().active or "", cancel.is_set)
+            key = app.host.status().active
+            if key is None:
+                yield notice_html("No preset is loaded."), gr.update()
+                return
+            yield from _tune(app, key, cancel.is_set)
         finally:
             app.host.generation_lock.release()
     finally:

@@ -54,7 +54,8 @@ class RowAttention:
             status = self._tree(q.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[1],
                                 start, n, parents.data_ptr(), *shape)
         if status == -2:
-            raise ValueError("the tree's parents must be -1 for row 0, then earlier rows")
+            raise ValueError("the attention kernel refused the shape, or the tree's parents "
+                             "(-1 for row 0, then earlier rows)")
         if status:
             raise MemoryError("the attention kernel could not allocate its scratch memory")
         return out
