@@ -242,7 +242,7 @@ def test_auto_members_default_and_listed() -> None:
     three = parse_preset(preset(drafters=["ngram", "eagle3", "draft_model"], head="some/head"))
     assert three.draft_spec() is not None and three.draft_spec().model == "some/draft"
     assert three.head_source() == "some/head" and head.head_source() == "some/draft"
-    pair = parse_preset(preset(drafters=["ngram", "eagle3"], head="some/head"))  # tune's subsets
+    pair = parse_preset(preset(drafters=["ngram", "eagle3"], head="some/head"))
     assert pair.head_source() == "some/head" and pair.draft_spec() is not None
 
 

@@ -156,6 +156,7 @@ def test_autos_member_sets_are_searched_and_written(presets: dict[str, str],
     (tmp_path / "saved.toml").write_text(saved, encoding="utf-8")
     again = load_preset(str(tmp_path / "saved.toml"))
     assert again.drafter_methods() == ("ngram", "eagle3") and again.head_source() == "some/head"
+    assert again.draft_spec() is None  # no draft model loaded that no member runs
     assert tuning.options("auto's drafters", dataclasses.replace(start, method="ngram"),
                           ["auto"]) == []
     for method in ("none", "ngram", "draft_model", "eagle3"):  # the method stage's candidates

@@ -92,8 +92,9 @@ def settings_of(preset: Preset) -> Settings:
 
 def changes(preset: Preset, s: Settings) -> list[tuple[str, str, Any]]:
     """(table, key, value) that give ``preset`` the settings ``s``; a value None removes the key.
-    "auto"'s members and ``[localspec] head`` are for it only: another method drops them, and
-    a head method alone reads its head from ``[speculative_config] model``."""
+    "auto"'s members are for it only, and ``[localspec] head`` for its head beside the draft
+    model: otherwise a head member reads its head from ``[speculative_config] model`` (so the
+    saved preset does not load a draft model it never runs)."""
     auto = s.method == AUTO
     out: list[tuple[str, str, Any]] = [
         ("speculative_config", "method", s.method),
@@ -102,9 +103,10 @@ def changes(preset: Preset, s: Settings) -> list[tuple[str, str, Any]]:
         ("localspec", "lookup_first", s.lookup_first),
         ("localspec", "tree_width", s.tree_width),
         ("localspec", "drafters", list(s.members) if auto and s.members else None)]
-    if not auto and preset.localspec.head is not None:
+    runs = s.members if auto else (s.method,)
+    if preset.localspec.head is not None and not (auto and "draft_model" in runs):
         out.append(("localspec", "head", None))
-        if drafter_spec(s.method).needs == "head":
+        if any(drafter_spec(m).needs == "head" for m in runs):
             out.append(("speculative_config", "model", preset.head_source()))
     return out
 
