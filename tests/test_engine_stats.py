@@ -29,9 +29,10 @@ def test_lookups_evidence_reaches_adaptive_k(target_runner: ModelRunner,
     seen: list[list[bool]] = []
 
     class Recording(engine_module.DrafterChoice):
-        def order(self, sure: list[bool]) -> list[Attempt]:
+        def order(self, sure: list[bool], catch_up: list[float] | None = None
+                  ) -> list[Attempt]:
             seen.append(list(sure))
-            return super().order(sure)
+            return super().order(sure, catch_up)
 
     monkeypatch.setattr(engine_module, "DrafterChoice", Recording)
     lookup = SpeculativeEngine(target_runner, NgramDrafter(3, 1), decode, set())

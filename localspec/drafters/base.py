@@ -157,6 +157,8 @@ class Drafter(ABC):
     # How often its guesses are accepted by confidence (model-based drafters): the engine
     # records each verified chain in it, and it outlives ``reset`` (it learns the drafter).
     calibration: Calibration | None = None
+    # Seconds a token of its last catch-up on the context took (``backlog``); None: not timed.
+    catch_up_cost: float | None = None
 
     @abstractmethod
     def reset(self) -> None:
@@ -183,6 +185,12 @@ class Drafter(ABC):
         """Whether the next guess after ``context`` is well founded, known without drafting:
         adaptive k may then probe it while drafting is off. No evidence by default."""
         return False
+
+    def backlog(self, context: list[int]) -> int:
+        """Tokens of ``context`` this drafter must still feed its own model before it can
+        draft (a draft model skipped so far catches up on the whole prompt): the choice of
+        drafter weighs that cost. None to feed by default."""
+        return 0
 
 
 class BuildContext(Protocol):

@@ -66,12 +66,23 @@ class DraftModelDrafter(Drafter):
         self.runner.reset()
         self._seen = []
 
-    def _sync(self, context: list[int]) -> list[int]:
-        """Crop the cache to the common prefix with ``context``; return tokens still to feed."""
+    def _common(self, context: list[int]) -> int:
+        """Tokens at the start of ``context`` whose K/V the draft cache holds (always one fewer
+        than ``context``: the last token is fed for its logits)."""
+        limit = min(len(self._seen), len(context) - 1)
+        if self._seen[:limit] == context[:limit]:  # the usual case, compared in C
+            return limit
         common = 0
-        limit = min(len(self._seen), len(context) - 1)  # always feed >= 1 token for logits
         while common < limit and self._seen[common] == context[common]:
             common += 1
+        return common
+
+    def backlog(self, context: list[int]) -> int:
+        return len(context) - self._common(context)
+
+    def _sync(self, context: list[int]) -> list[int]:
+        """Crop the cache to the common prefix with ``context``; return tokens still to feed."""
+        common = self._common(context)
         self.runner.crop(common)
         self._seen = self._seen[:common]
         return context[common:]
@@ -103,7 +114,9 @@ class DraftModelDrafter(Drafter):
             start = time.perf_counter()
             self.runner.forward(feed[:-1], logits_to_keep=1)
             self._seen.extend(feed[:-1])
-            feed, sync_time = feed[-1:], time.perf_counter() - start
+            sync_time = time.perf_counter() - start
+            self.catch_up_cost = sync_time / (len(feed) - 1)
+            feed = feed[-1:]
         chain = DraftChain(params, generator, self.confidence_threshold, self.calibration,
                            width)
         for _ in range(k):

@@ -137,6 +137,11 @@ class AdaptiveK:
             total += survive
         return total
 
+    @property
+    def measured(self) -> bool:
+        """Whether this drafter has drafted (and so its cost is known) in this answer."""
+        return self._draft_count > 0
+
     def draft_cost(self) -> float | None:
         return self._draft_time / self._draft_count if self._draft_count > 0 else None
 

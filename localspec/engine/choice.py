@@ -11,6 +11,17 @@ same whoever drafted them). Each step ``order`` ranks the drafters to ask:
      often enough that ranking them above a faster draft model cost 10-20% there);
   3. a resting drafter whose probe interval has run out.
 
+A drafter that has not drafted yet in this answer and is behind the context (a draft model that
+must first read the whole prompt: ``Drafter.backlog``) waits while a drafter already measured
+pays, until the steps that kept no draft have cost as much as its catch-up would (ski rental:
+pay the price once the losses it could end reach it, which costs at most twice the better
+choice made in hindsight). The catch-up is priced at the drafter's own last one per token
+(``Drafter.catch_up_cost``), else at the target's prefill, an upper bound for a smaller model.
+Where the drafters that run do well, a costly catch-up never pays: on the summary prompt the
+0.5B paid 0.2-0.5 s reading 179 prompt tokens for 2 tokens that lookup, copying 5-9 tokens a
+step, also found. Where they miss (chat, code generation) the losses soon reach a short
+prompt's price and the draft model starts.
+
 The engine asks them in that order and takes the first proposal that has tokens: a drafter
 that has nothing to offer (lookup without a match) costs almost nothing and cedes the step.
 When no drafter is asked, or none proposes anything, the step is plain decoding, so
@@ -61,29 +72,35 @@ class DrafterChoice:
                            for _ in range(count)]
         self._asked: list[Attempt] = []
         self._resting: list[int] = []
+        self._lost = 0.0  # verify seconds of steps that kept no draft: what a new one could save
 
-    def order(self, sure: list[bool]) -> list[Attempt]:
+    def order(self, sure: list[bool], catch_up: list[float] | None = None) -> list[Attempt]:
         """The drafters to ask this step, in turn, until one proposes tokens; [] for a plain
-        step. ``sure[i]``: drafter i's evidence for its next guess (``Drafter.sure``)."""
+        step. ``sure[i]``: drafter i's evidence for its next guess (``Drafter.sure``);
+        ``catch_up[i]``: the seconds it would take to catch up on the context first."""
         self._resting = []
         if self.k_max == 0:
             attempts: list[Attempt] = []
         elif not self.enabled:
             attempts = [Attempt(i, self.k_max, sure=s) for i, s in enumerate(sure)]
         else:
-            attempts = self._rank(sure)
+            attempts = self._rank(sure, catch_up or [0.0] * len(sure))
         self._asked = []
         return attempts
 
-    def _rank(self, sure: list[bool]) -> list[Attempt]:
-        paying: list[tuple[bool, float, int, int]] = []
+    def _rank(self, sure: list[bool], catch_up: list[float]) -> list[Attempt]:
+        paying: list[tuple[float, bool, int, int]] = []
         for i, estimator in enumerate(self.estimators):
             k, rate = estimator.plan()
             if k > 0:
-                estimator.paid()
                 paying.append((-rate, not sure[i], i, k))
             else:
                 self._resting.append(i)
+        if any(self.estimators[i].measured for _, _, i, _ in paying):
+            paying = [p for p in paying if self.estimators[p[2]].measured
+                      or catch_up[p[2]] <= self._lost]
+        for _, _, i, _ in paying:
+            self.estimators[i].paid()
         ranked = [Attempt(i, k, sure=sure[i]) for _, _, i, k in sorted(paying)]
         due = [i for i in self._resting if self.estimators[i].probe_due(sure[i])]
         first = [Attempt(i, self.estimators[i].probe_k(), True, True) for i in due if sure[i]]
@@ -112,6 +129,8 @@ class DrafterChoice:
                 self.estimators[i].rest()
         self._resting = []
         self.verify.update(drafted + 1, verify_time)
+        if accepted == 0:
+            self._lost += verify_time
 
     def shadow(self, drafter: int, drafted: int, accepted: int, draft_time: float) -> None:
         """Learn what ``drafter`` would have kept of ``drafted`` tokens it did not draft."""

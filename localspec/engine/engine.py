@@ -193,8 +193,11 @@ class SpeculativeEngine:
         shadows = Shadows() if params.greedy and len(members) > 1 else None
         width = request.tree_width if params.greedy and self.target.supports_trees else 1
         context = list(request.prompt_ids)
+        prefill_cost = 0.0  # seconds a token of the target's prefill: a catch-up's upper bound
         if len(context) > 1:
+            start = time.perf_counter()
             self.target.forward(context[:-1], logits_to_keep=1)
+            prefill_cost = (time.perf_counter() - start) / (len(context) - 1)
         generated = 0
         step = 0
         while True:
@@ -205,7 +208,7 @@ class SpeculativeEngine:
             t0 = time.perf_counter()
             k, used, proposal, draft_times = self._draft(members, choice, context,
                                                          max_new - generated, params, generator,
-                                                         width)
+                                                         width, prefill_cost)
             if shadows is not None:
                 self._shadow(members, set(draft_times), choice, shadows, context, params,
                              generator)
@@ -279,6 +282,7 @@ class SpeculativeEngine:
         params: SamplingParams,
         generator: torch.Generator,
         width: int = 1,
+        prefill_cost: float = 0.0,
     ) -> tuple[int, int | None, Proposal, dict[int, float]]:
         """Ask the drafters ``choice`` ranks, in turn, for at most ``room`` tokens; return the
         k asked last, the index of the drafter whose proposal has tokens (None: a plain step),
@@ -286,10 +290,13 @@ class SpeculativeEngine:
         catch-up on the context left out (``Proposal.sync_time``). A drafter that knows for
         free that its next guess is well founded (n-gram lookup: a long match) says so; adaptive
         k probes such a guess while drafting is off. With ``width`` > 1 each is asked for a tree
-        (``Drafter.propose_tree``)."""
+        (``Drafter.propose_tree``). A drafter behind the context tells its backlog, priced at
+        its own last catch-up or else at ``prefill_cost``, the target's."""
         times: dict[int, float] = {}
         k = 0
-        for attempt in choice.order([member.sure(context) for member in members]):
+        catch_up = [member.backlog(context) * (member.catch_up_cost or prefill_cost)
+                    for member in members]
+        for attempt in choice.order([member.sure(context) for member in members], catch_up):
             choice.asked(attempt)
             member, k = members[attempt.index], min(attempt.k, room)
             start = time.perf_counter()

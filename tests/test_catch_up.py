@@ -1,0 +1,110 @@
+"""A drafter behind the context (a draft model that has not read the prompt yet) waits while a
+measured drafter pays, until the steps that kept no draft have cost as much as its catch-up
+(``engine.choice``), and a draft model tells its backlog and times its catch-up."""
+
+from __future__ import annotations
+
+import torch
+from conftest import collect, decode, draft_drafter
+from engine_helpers import plain_tokens, request
+from transformers import PreTrainedModel
+
+from localspec.drafters.base import Drafter, Proposal
+from localspec.drafters.multi import MultiDrafter
+from localspec.engine.choice import Attempt, DrafterChoice
+from localspec.engine.engine import SpeculativeEngine
+from localspec.runtime.runner import ModelRunner
+from localspec.sampling import SamplingParams
+
+
+def first_step(choice: DrafterChoice, catch_up: list[float]) -> None:
+    """Drafter 0 drafts 4 tokens, all kept, at a tenth of a pass a token."""
+    assert asked(choice, catch_up)[0] == 0
+    choice.asked(Attempt(0, 4))
+    choice.record(0, 4, 4, {0: 0.004}, 0.01)
+
+
+def asked(choice: DrafterChoice, catch_up: list[float]) -> list[int]:
+    return [a.index for a in choice.order([False, False], catch_up)]
+
+
+def test_a_behind_drafter_waits_until_the_losses_reach_its_catch_up() -> None:
+    """Drafter 1 would take 0.45 s to catch up: while drafter 0 pays it is not asked; each
+    step that kept nothing (0.1 s) adds to the losses, and at the fifth it is asked, first
+    (nothing is known of it yet)."""
+    choice, catch_up = DrafterChoice(2, k_max=4), [0.0, 0.45]
+    first_step(choice, catch_up)
+    for _ in range(4):
+        assert asked(choice, catch_up) == [0]
+        choice.asked(Attempt(0, 4))
+        choice.record(None, 0, 0, {0: 0.0}, 0.1)  # drafter 0 had nothing: a plain step
+    assert asked(choice, catch_up) == [0]
+    choice.asked(Attempt(0, 4))
+    choice.record(0, 4, 3, {0: 0.004}, 0.1)  # kept some: no loss
+    assert asked(choice, catch_up) == [0]
+    choice.asked(Attempt(0, 4))
+    choice.record(None, 0, 0, {0: 0.0}, 0.1)
+    assert asked(choice, catch_up) == [1, 0]
+
+
+def test_a_drafter_with_nothing_to_catch_up_is_tried_at_once() -> None:
+    choice = DrafterChoice(2, k_max=4)
+    first_step(choice, [0.0, 0.0])
+    assert asked(choice, [0.0, 0.0]) == [1, 0]
+
+
+def test_a_behind_drafter_is_asked_once_no_measured_drafter_pays() -> None:
+    """However dear its catch-up: drafter 0 keeps missing and rests, so drafter 1 drafts."""
+    choice, catch_up = DrafterChoice(2, k_max=4), [0.0, 1e9]
+    first_step(choice, catch_up)
+    for _ in range(20):
+        order = asked(choice, catch_up)
+        if 1 in order:
+            break
+        choice.asked(Attempt(0, 4))
+        choice.record(0, 4, 0, {0: 0.004}, 0.01)
+    assert order == [1]
+
+
+class AllRight(Drafter):
+    """The plain answer's next k tokens: every draft kept, so no step loses anything."""
+
+    name = "all-right"
+
+    def __init__(self, reference: list[int], prompt_length: int) -> None:
+        self.reference, self.prompt_length = reference, prompt_length
+
+    def reset(self) -> None:
+        pass
+
+    def propose(self, context: list[int], k: int, params: SamplingParams,
+                generator: torch.Generator) -> Proposal:
+        at = len(context) - self.prompt_length
+        return Proposal(self.reference[at:at + k])
+
+
+def test_the_draft_model_never_reads_the_prompt_while_another_drafter_keeps_everything(
+        target_runner: ModelRunner, close_draft_model: PreTrainedModel) -> None:
+    """Before the choice priced the catch-up, the unmeasured draft model was asked at the
+    second step and read the whole prompt for nothing."""
+    prompt = [(7 * i + 3) % 64 for i in range(48)]
+    reference = plain_tokens(target_runner.model, prompt, max_new_tokens=60)
+    draft = draft_drafter(close_draft_model)
+    engine = SpeculativeEngine(target_runner, MultiDrafter([AllRight(reference, len(prompt)),
+                                                            draft]), decode, set())
+    tokens, events = collect(engine, request(prompt, k=3, adaptive=True, max_new_tokens=40))
+    assert tokens == reference[:40]
+    assert {e.drafter for e in events if e.drafted} == {"all-right"}
+    assert draft.runner.length == 0 and draft.catch_up_cost is None
+
+
+def test_a_draft_model_tells_its_backlog_and_times_its_catch_up(
+        close_draft_model: PreTrainedModel) -> None:
+    draft = draft_drafter(close_draft_model)
+    context = [(5 * i + 1) % 64 for i in range(20)]
+    assert draft.backlog(context) == 20
+    proposal = draft.propose(context, 2, SamplingParams(), torch.Generator().manual_seed(0))
+    assert draft.catch_up_cost is not None and draft.catch_up_cost > 0
+    longer = [*context, *proposal.tokens[:1], 9]
+    assert draft.backlog(longer) == 1  # it read its first draft: only the target's token
+    assert draft.backlog([*context[:10], 63, 62]) == 2  # a different turn: cropped to 10
