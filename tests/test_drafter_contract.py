@@ -87,6 +87,17 @@ def test_only_lookup_overrides_sure() -> None:
     assert overriding == {"NgramDrafter", "MultiDrafter"}
 
 
+def test_backlog_defaults_to_nothing_and_only_the_draft_model_has_one() -> None:
+    """``backlog`` (what a drafter must feed its own model before drafting) is 0 unless the
+    drafter reports one: only the draft model, which must read the prompt with its own model
+    (a head catches up on the target's recorded features and reports none)."""
+    assert Repeat().backlog(PROMPT) == 0 and Repeat().catch_up_cost is None
+    overriding = {cls.__name__ for cls in (DraftModelDrafter, NgramDrafter, EagleDrafter,
+                                           MedusaDrafter, MultiDrafter, SimulatedDrafter)
+                  if cls.backlog is not Drafter.backlog}
+    assert overriding == {"DraftModelDrafter"}
+
+
 def test_a_drafter_must_propose_and_reset() -> None:
     """Leaving out part of the contract fails when the drafter is made, not mid-generation."""
 
