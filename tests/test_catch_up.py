@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import torch
 from conftest import collect, decode, draft_drafter
-from engine_helpers import plain_tokens, request
+from engine_helpers import Gate, plain_tokens, request
 from transformers import PreTrainedModel
 
-from localspec.drafters.base import Drafter, Proposal
 from localspec.drafters.multi import MultiDrafter
 from localspec.engine.choice import Attempt, DrafterChoice
 from localspec.engine.engine import SpeculativeEngine
@@ -66,23 +65,6 @@ def test_a_behind_drafter_is_asked_once_no_measured_drafter_pays() -> None:
     assert order == [1]
 
 
-class AllRight(Drafter):
-    """The plain answer's next k tokens: every draft kept, so no step loses anything."""
-
-    name = "all-right"
-
-    def __init__(self, reference: list[int], prompt_length: int) -> None:
-        self.reference, self.prompt_length = reference, prompt_length
-
-    def reset(self) -> None:
-        pass
-
-    def propose(self, context: list[int], k: int, params: SamplingParams,
-                generator: torch.Generator) -> Proposal:
-        at = len(context) - self.prompt_length
-        return Proposal(self.reference[at:at + k])
-
-
 def test_the_draft_model_never_reads_the_prompt_while_another_drafter_keeps_everything(
         target_runner: ModelRunner, close_draft_model: PreTrainedModel) -> None:
     """Before the choice priced the catch-up, the unmeasured draft model was asked at the
@@ -90,11 +72,11 @@ def test_the_draft_model_never_reads_the_prompt_while_another_drafter_keeps_ever
     prompt = [(7 * i + 3) % 64 for i in range(48)]
     reference = plain_tokens(target_runner.model, prompt, max_new_tokens=60)
     draft = draft_drafter(close_draft_model)
-    engine = SpeculativeEngine(target_runner, MultiDrafter([AllRight(reference, len(prompt)),
-                                                            draft]), decode, set())
+    always_right = Gate(reference, len(prompt), block=len(reference))  # one open block
+    engine = SpeculativeEngine(target_runner, MultiDrafter([always_right, draft]), decode, set())
     tokens, events = collect(engine, request(prompt, k=3, adaptive=True, max_new_tokens=40))
     assert tokens == reference[:40]
-    assert {e.drafter for e in events if e.drafted} == {"all-right"}
+    assert {e.drafter for e in events if e.drafted} == {"gate"}
     assert draft.runner.length == 0 and draft.catch_up_cost is None
 
 
