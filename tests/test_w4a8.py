@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import VOCAB, collect, decode, make_tiny_model, perturbed_copy, tiny_config
+from kernel_helpers import assert_matches_reference
+from kernel_helpers import reference as kernel_product
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from localspec.config import ModelSpec
@@ -25,12 +27,13 @@ from localspec.runtime.kernels import (
     KQuantWeights,
     Q4KWeights,
     load_kernels,
+    quantize_q4_0,
     quantize_q4k,
     quantize_q6k,
 )
 from localspec.runtime.quant import Q4KLinear, Q6KLinear, W8A8Linear
 from localspec.runtime.runner import ModelRunner
-from localspec.runtime.weight_formats import ConcatLinear, export_weights
+from localspec.runtime.weight_formats import ConcatLinear, cut_linear, export_weights
 from localspec.sampling import SamplingParams
 
 
@@ -164,7 +167,8 @@ def test_w4a8_serves_q6k_matrices_in_their_own_kernel(lib: object) -> None:
     """A GGUF's Q6_K matrices (here v, down and the LM head, 256 inputs wide) run exactly in
     the Q6_K kernel beside Q4_K ones, unrotated; the model stays a fixed function of each
     position (a pass over n tokens is bit for bit n one-token steps) and close to float. The
-    head's rows (a trained head's start) and a cut of it (a draft's) come from its numbers."""
+    head's rows (a trained head's start) come from its numbers, and a cut of them (a draft's)
+    is their Q4_0 in the native kernel (``cut_linear``), padded to whole 16-row blocks."""
     vocab = 112
     config = tiny_config(vocab)
     config.hidden_size = config.intermediate_size = 256
@@ -198,8 +202,10 @@ def test_w4a8_serves_q6k_matrices_in_their_own_kernel(lib: object) -> None:
     assert torch.equal(head.rows(rows), mapping["lm_head"].dequantize()[rows])
     hidden = torch.randn(3, 256)
     cut = head.logits(hidden, rows)
-    torch.testing.assert_close(cut[:, rows], head.logits(hidden)[:, rows], rtol=0.05, atol=0.5)
+    as_q4_0 = quantize_q4_0(head.rows(rows))
+    assert_matches_reference(cut[:, rows], kernel_product(hidden, as_q4_0, None))
     assert int(torch.isinf(cut).sum()) == 3 * (vocab - len(rows))
+    assert type(cut_linear(torch.randn(5, 48), lib)) is W8A8Linear  # no whole 32-groups
 
 
 def test_w4a8_greedy_speculation_equals_plain(lib: object) -> None:

@@ -230,8 +230,8 @@ class ModelRunner:
 
     def head_cut(self, rows: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
         """``head_logits`` over ``rows`` only (a head's draft vocabulary; the rest -inf), made
-        once: the CPU's head packs the cut now (0.8 s for the 1.5B's Q6_K head), not in the
-        first reply, and no call looks it up again (hashing 4,096 ids costs 0.2 ms)."""
+        once: the CPU's head packs the cut now, not in the first reply, and no call looks it
+        up again (hashing 4,096 ids costs 0.2 ms)."""
         if self.decoder is not None:
             head, part = self.decoder.head, self.decoder.head.part(rows)
             return lambda hidden: head.logits(hidden.float(), rows, part)

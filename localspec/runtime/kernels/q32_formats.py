@@ -126,7 +126,8 @@ def quantize_q8_0(weight: torch.Tensor) -> Q8_0Weights:
 
 def quantize_q4_0(weight: torch.Tensor) -> Q4_0Weights:
     """Q4_0 weights of a float matrix [n, k] (k % 32 == 0) by ggml's rule: d = (the value of
-    largest magnitude) / -8 (then fp16), q = trunc(w / d + 8.5) clamped to 0..15. For tests."""
+    largest magnitude) / -8 (then fp16), q = trunc(w / d + 8.5) clamped to 0..15. For tests, and
+    for a draft's cut LM head (``weight_formats.cut_linear``)."""
     n, k = weight.shape
     w = weight.detach().float().view(n, k // GROUP, GROUP)
     extreme = w.gather(-1, w.abs().argmax(-1, keepdim=True))[..., 0]
