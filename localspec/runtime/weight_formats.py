@@ -260,7 +260,7 @@ def cut_linear(weight: torch.Tensor, lib: object) -> Linear:
     """A draft's cut LM head [rows, hidden] (float32) in Q4_0 for the native kernel.
 
     The head is a small draft model's largest matmul, and at one row it is all memory traffic:
-    on the 0.5B's 65,558-row cut (2-core EPYC, one row called in a loop) oneDNN's int8 took
+    at the 0.5B's 64k-row cut (2-core EPYC, one row called in a loop) oneDNN's int8 took
     2.49 ms, the native Q8_0 kernel 1.09 ms and Q4_0 0.63 ms, while the draft's next-token
     agreement with the 1.5B target (3,890 positions of its answers) went from 79.28% to 79.13%;
     end to end, draft_model decoded 11% faster and auto 7% (docs/benchmarks.md). A width the
