@@ -151,7 +151,7 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             self.wfile.flush()
             if cut:
                 hub.held.set()
-                hub.release.wait(150)  # past the client's read timeout in the tests
+                hub.release.wait(30)
             self.close_connection = True
             self.connection.close()
 
