@@ -13,8 +13,9 @@
 A missing repo answers 404 with ``X-Error-Code: RepoNotFound`` and a gated one 401 or 403 with
 ``GatedRepo``, as the Hub does (``hf_raise_for_status`` turns those into its errors). Faults
 the tests ask for: ``drop_once`` cuts the first transfer of a file halfway (the connection is
-closed mid-body), ``hold`` sends the first half of a file and then waits until the test
-releases it (to interrupt the client at a known byte). Every request is recorded.
+closed mid-body), ``hold`` sends the first half of a file and then waits, on every GET until
+the test releases it (to interrupt the client at a known byte, even one that timed out and
+resumed). Every request is recorded.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class Repo:
 class FakeHub:
     repos: dict[str, Repo] = field(default_factory=dict)
     drop_once: set[str] = field(default_factory=set)  # file names: cut the first GET halfway
-    hold: set[str] = field(default_factory=set)  # file names: first GET stops halfway and waits
+    hold: set[str] = field(default_factory=set)  # file names: each GET stops halfway, waits
     held: threading.Event = field(default_factory=threading.Event)  # set once a hold began
     release: threading.Event = field(default_factory=threading.Event)
     requests: list[tuple[str, str, str | None]] = field(default_factory=list)  # method, path, Range
@@ -136,12 +137,13 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 start = int(re.match(r"bytes=(\d+)-", wanted).group(1))  # type: ignore[union-attr]
                 headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
             body = data[start:]
-            if self.command == "HEAD" or not (name in hub.drop_once or name in hub.hold):
+            # a held file is held on every GET until the test releases it: a client that
+            # timed out and resumed must not get the rest before the test interrupts it
+            cut = name in hub.hold and not hub.release.is_set()
+            if self.command == "HEAD" or not (name in hub.drop_once or cut):
                 self._answer(206 if start else 200, body, headers)
                 return
-            cut = name in hub.hold
             hub.drop_once.discard(name)
-            hub.hold.discard(name)
             self.send_response(206 if start else 200)
             for key, value in headers.items():
                 self.send_header(key, value)
