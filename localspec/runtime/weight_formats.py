@@ -246,8 +246,8 @@ def spread_logits(sub: torch.Tensor, rows: torch.Tensor, vocab_size: int) -> tor
 
 
 class _PaddedRows:
-    """A native linear over rows padded with zeros to the kernels' 16-row blocks; the padding's
-    outputs are dropped."""
+    """A native linear over rows padded to the kernels' 16-row blocks; the padding's outputs
+    are dropped."""
 
     def __init__(self, linear: Linear, out_features: int) -> None:
         self.linear, self.out_features = linear, out_features
@@ -256,20 +256,29 @@ class _PaddedRows:
         return self.linear(x)[:, : self.out_features]
 
 
-def cut_linear(weight: torch.Tensor, lib: object) -> Linear:
-    """A draft's cut LM head [rows, hidden] (float32) in Q4_0 for the native kernel.
+# Rows of a cut head quantized at a time: the float rows of the 0.5B's 64k-row cut are 235 MB,
+# and quantized whole they took 4.3 s and 1.1 GB more at the peak (8,192 at a time: 0.5 s, 0.3 GB).
+CUT_CHUNK = 8192
+
+
+def cut_linear(rows_of: Callable[[torch.Tensor], torch.Tensor], ids: torch.Tensor,
+               lib: object) -> Linear:
+    """A draft's LM head cut to token ``ids`` in Q4_0 for the native kernel; ``rows_of(ids)``
+    gives those rows as float32 [n, hidden] (``LMHead.rows``).
 
     The head is a small draft model's largest matmul, and at one row it is all memory traffic:
     at the 0.5B's 64k-row cut (2-core EPYC, one row called in a loop) oneDNN's int8 took
     2.49 ms, the native Q8_0 kernel 1.09 ms and Q4_0 0.63 ms, while the draft's next-token
     agreement with the 1.5B target (3,890 positions of its answers) went from 79.28% to 79.13%;
-    end to end, draft_model decoded 11% faster and auto 7% (docs/benchmarks.md). A width the
-    kernels cannot take stays int8."""
-    if weight.shape[1] % GROUP:
-        return W8A8Linear.from_float(weight)
-    rows = weight.shape[0]
-    padded = torch.cat([weight, weight.new_zeros(-rows % BLOCK_ROWS, weight.shape[1])])
-    return _PaddedRows(Q4_0Linear.from_weights(quantize_q4_0(padded), None, lib), rows)
+    end to end, draft_model decoded 11% faster and auto 7% (docs/benchmarks.md). The rows are
+    padded to whole 16-row blocks with copies of the last one, whose outputs are dropped. A
+    width the kernels cannot take stays int8."""
+    if rows_of(ids[:1]).shape[1] % GROUP:
+        return W8A8Linear.from_float(rows_of(ids))
+    padded = torch.cat([ids, ids[-1:].expand(-len(ids) % BLOCK_ROWS)])
+    weights = cat_rows([quantize_q4_0(rows_of(padded[start:start + CUT_CHUNK]))
+                        for start in range(0, len(padded), CUT_CHUNK)])
+    return _PaddedRows(Q4_0Linear.from_weights(weights, None, lib), len(ids))
 
 
 class LMHead:
@@ -315,7 +324,7 @@ class LMHead:
                 self._packed[key] = _one_linear({f"head.{k}": t for k, t in self.tensors.items()},
                                                 "head", self.lib)
             elif self.lib is not None:
-                self._packed[key] = cut_linear(self.rows(rows), self.lib)
+                self._packed[key] = cut_linear(self.rows, rows, self.lib)
             elif self.linear == "dense":
                 self._packed[key] = DenseLinear(self.tensors["weight"][rows].contiguous(), None)
             elif self.linear == "w8a8":
