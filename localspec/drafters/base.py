@@ -28,6 +28,7 @@ import torch
 
 from localspec.config import Preset
 from localspec.runtime.runner import ModelRunner
+from localspec.runtime.weight_formats import spread_logits
 from localspec.sampling import SamplingParams, logits_to_probs, sample
 
 
@@ -104,8 +105,14 @@ class DraftChain:
 
     def __init__(self, params: SamplingParams, generator: torch.Generator,
                  confidence_threshold: float = 0.0,
-                 calibration: Calibration | None = None, width: int = 1) -> None:
+                 calibration: Calibration | None = None, width: int = 1,
+                 cut: tuple[torch.Tensor, int] | None = None) -> None:
+        """``cut``: (ids, vocab_size) when ``pick`` is given logits over a cut vocabulary
+        ``ids`` only (the rest can never be drafted): a greedy pick then stays in the cut, which
+        spares a 152k-wide fill, softmax and argmax per draft (~0.9 ms of a 0.5B draft's ~10 ms
+        token on 2 cores); a sampled one spreads them to ``vocab_size`` for its q row."""
         self.params = params
+        self.cut = cut
         self.generator = generator
         self.confidence_threshold = confidence_threshold
         self.calibration = calibration
@@ -116,13 +123,19 @@ class DraftChain:
         self._siblings: list[tuple[int, float]] = []  # the other first guesses, best first
 
     def pick(self, logits: torch.Tensor) -> int | None:
-        """The next draft from the drafter's logits [vocab_target], or None: stop drafting."""
+        """The next draft from the drafter's logits [vocab_target] (or over the cut's ids), or
+        None: stop drafting."""
+        ids = None
         if self.params.greedy:
             probs = torch.softmax(logits, dim=-1)
-            token = int(probs.argmax())
+            index = int(probs.argmax())
+            ids = None if self.cut is None else self.cut[0]
+            token = index if ids is None else int(ids[index])
         else:
+            if self.cut is not None:
+                logits = spread_logits(logits, *self.cut)
             probs = logits_to_probs(logits[None], self.params)[0]
-            token = sample(probs, self.generator)
+            token = index = sample(probs, self.generator)
         if self.tokens and self.confidence_threshold > 0:
             best = float(probs.max())
             if self.calibration is not None:
@@ -131,11 +144,11 @@ class DraftChain:
                 return None
         if not self.tokens and self.width > 1:
             top = torch.topk(probs, min(self.width, probs.shape[-1])).indices.tolist()
-            self._siblings = [(t, float(probs[t])) for t in top
-                              if t != token and probs[t] > 0][: self.width - 1]
+            self._siblings = [(t if ids is None else int(ids[t]), float(probs[t])) for t in top
+                              if t != index and probs[t] > 0][: self.width - 1]
         self.tokens.append(token)
         self._q_rows.append(probs)
-        self._confidences.append(float(probs[token]))
+        self._confidences.append(float(probs[index]))
         return token
 
     def proposal(self, sync_time: float = 0.0) -> Proposal:

@@ -60,6 +60,12 @@ class DraftModelDrafter(Drafter):
         self.valid_vocab = min(tokenizer_vocab_size, runner.vocab_size, target_vocab_size)
         self.confidence_threshold = confidence_threshold
         self.calibration = Calibration()
+        # A cut head's logits stay over its rows while picking; rows past the tokenizer are
+        # masked there (``_invalid``), as ``_to_target_vocab`` masks them in a whole vocabulary.
+        rows = runner.vocab_rows
+        self._cut = None if rows is None else (rows, target_vocab_size)
+        invalid = None if rows is None else rows >= self.valid_vocab
+        self._invalid = invalid if invalid is not None and bool(invalid.any()) else None
         self._seen: list[int] = []  # tokens whose K/V sit in the draft cache
 
     def reset(self) -> None:
@@ -118,9 +124,13 @@ class DraftModelDrafter(Drafter):
             self.catch_up_cost = sync_time / (len(feed) - 1)
             feed = feed[-1:]
         chain = DraftChain(params, generator, self.confidence_threshold, self.calibration,
-                           width)
+                           width, self._cut)
         for _ in range(k):
-            logits = self._to_target_vocab(self.runner.forward(feed, logits_to_keep=1)[-1])
+            logits = self.runner.forward(feed, logits_to_keep=1, spread=self._cut is None)[-1]
+            if self._cut is None:
+                logits = self._to_target_vocab(logits)
+            elif self._invalid is not None:
+                logits = logits.masked_fill(self._invalid, float("-inf"))
             self._seen.extend(feed)
             token = chain.pick(logits)
             if token is None:

@@ -216,6 +216,11 @@ class ModelRunner:
             return self.decoder.embed
         return self.model.get_input_embeddings().weight
 
+    @property
+    def vocab_rows(self) -> torch.Tensor | None:
+        """The token ids a cut LM head computes (None: the whole vocabulary)."""
+        return self._rows
+
     @torch.inference_mode()
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head on hidden states [n, hidden] that did not come from a forward (an EAGLE
@@ -246,10 +251,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, token_ids: list[int], logits_to_keep: int | None = None,
-                parents: list[int] | None = None) -> torch.Tensor:
+                parents: list[int] | None = None, spread: bool = True) -> torch.Tensor:
         """Append ``token_ids`` to the cache; return float logits [n_kept, vocab].
 
         ``logits_to_keep`` limits the LM head to the last positions (prefill needs one).
+        ``spread=False``: a head cut to ``vocab_rows`` returns its logits over those rows only,
+        [n_kept, len(vocab_rows)] (a drafter picks among them without a full-vocabulary pass).
         ``parents`` (``supports_trees`` only): the tokens form a tree, ``parents[j]`` the index
         of j's parent among them (-1 for token 0, the root, then earlier tokens); token j sits
         at position length + its depth and sees the cache and its root path, so its logits are
@@ -277,7 +284,8 @@ class ModelRunner:
                 self._keep_features(self.length, features)
             self.length += len(token_ids)
             self.last_hidden = hidden[keep]
-            return self.decoder.head.logits(self.last_hidden, self._rows, self._head)
+            return self.decoder.head.logits(self.last_hidden, self._rows if spread else None,
+                                            self._head)
         if self.static_capacity and self.length + len(token_ids) > self.static_capacity:
             raise ValueError(f"{self.length + len(token_ids)} positions do not fit the static "
                              f"cache of {self.static_capacity}")
@@ -293,7 +301,7 @@ class ModelRunner:
             return refine_top_logits(normed, self.lm_head.weight)
         if self._rows_weight is not None:
             sub = torch.nn.functional.linear(self.last_hidden, self._rows_weight).float()
-            return spread_logits(sub, self._rows, self.vocab_size)
+            return spread_logits(sub, self._rows, self.vocab_size) if spread else sub
         return self.lm_head(self.last_hidden).float()
 
     def _feed(self, token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
