@@ -50,14 +50,33 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        sorted_probs = torch.softmax(sorted_logits, dim=-1)
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        # Keep the smallest prefix whose mass reaches top_p; the first token always stays.
-        drop_sorted = mass_before >= params.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
+        logits = _top_p(logits, params.top_p)
     return torch.softmax(logits, dim=-1)
+
+
+NUCLEUS_FIRST = 1024  # candidates ``_top_p`` sorts first; 8x more each time they fall short
+
+
+def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest prefix of each row, best first, whose mass reaches ``top_p`` (the
+    first token always stays); the others -inf.
+
+    The nucleus is looked for among the best ``NUCLEUS_FIRST`` tokens (``topk``), 8x more while
+    some row's candidates hold less than ``top_p``: sorting all of a 152k vocabulary took
+    14 ms a row on a 2-core EPYC, ``topk`` of 1,024 ~1.5 ms. Once the candidates hold
+    ``top_p``, no token after them can be in the prefix, so the cut is the full sort's."""
+    vocab = logits.shape[-1]
+    log_total = torch.logsumexp(logits, dim=-1, keepdim=True)
+    count = min(NUCLEUS_FIRST, vocab)
+    while True:
+        values, order = torch.topk(logits, count, dim=-1)
+        probs = torch.exp(values - log_total)
+        if count == vocab or bool((probs.sum(dim=-1) >= top_p).all()):
+            break
+        count = min(8 * count, vocab)
+    keep = (probs.cumsum(dim=-1) - probs) < top_p
+    kept = torch.zeros_like(logits, dtype=torch.bool).scatter(-1, order, keep)
+    return logits.masked_fill(~kept, float("-inf"))
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:

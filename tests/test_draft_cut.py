@@ -12,7 +12,7 @@ from localspec.drafters.base import DraftChain
 from localspec.drafters.draft_model import DraftModelDrafter
 from localspec.runtime.runner import ModelRunner
 from localspec.runtime.weight_formats import spread_logits
-from localspec.sampling import SamplingParams
+from localspec.sampling import SamplingParams, logits_to_probs
 
 GREEDY = SamplingParams(0.0, 0, 1.0)
 SAMPLED = SamplingParams(0.8, 20, 0.9)
@@ -28,20 +28,34 @@ def _chain(params: SamplingParams, cut: tuple[torch.Tensor, int] | None, logits:
 
 
 def test_a_chain_over_cut_logits_drafts_what_the_spread_logits_draft() -> None:
-    """Greedy (with sibling first guesses) and sampled chains over logits of 9 ids out of 40
-    propose the same tokens, with the same confidences and (sampled) the same q rows, as over
-    those logits spread to 40 with -inf elsewhere."""
+    """A greedy chain (with sibling first guesses) over logits of 9 ids out of 40 proposes the
+    same tokens with the same confidences as over those logits spread to 40 with -inf
+    elsewhere; a sampled one gives the verifier the spread row's q, 0 off the cut."""
     ids = torch.tensor([0, 2, 3, 7, 11, 19, 25, 31, 39])
     sub = torch.randn(4, len(ids), generator=torch.Generator().manual_seed(0)) * 3
     spread = spread_logits(sub, ids, 40)
-    for params, width in ((GREEDY, 3), (SAMPLED, 1)):
-        tokens, confidences, q_rows = _chain(params, (ids, 40), sub, width)
-        want_tokens, want_confidences, want_q = _chain(params, None, spread, width)
-        assert tokens == want_tokens and set(tokens) <= set(ids.tolist())
-        assert torch.allclose(torch.tensor(confidences), torch.tensor(want_confidences))
-        if params is SAMPLED:
-            assert all(torch.equal(q, want) for q, want in zip(q_rows, want_q, strict=True))
-    assert len(_chain(GREEDY, (ids, 40), sub, 3)[0]) == 4 + 2  # the chain and two siblings
+    tokens, confidences, _ = _chain(GREEDY, (ids, 40), sub, 3)
+    want_tokens, want_confidences, _ = _chain(GREEDY, None, spread, 3)
+    assert tokens == want_tokens and len(tokens) == 4 + 2  # the chain and two siblings
+    assert torch.allclose(torch.tensor(confidences), torch.tensor(want_confidences))
+    tokens, confidences, q_rows = _chain(SAMPLED, (ids, 40), sub)
+    want_q = logits_to_probs(spread, SAMPLED)
+    assert torch.allclose(torch.stack(q_rows), want_q, atol=1e-6)
+    assert set(tokens) <= set(ids.tolist())
+    assert confidences == tuple(float(q[t]) for q, t in zip(q_rows, tokens, strict=True))
+
+
+def test_a_sampled_pick_over_a_cut_draws_from_q() -> None:
+    """4,000 first draws over a cut: each id's count within 5 standard deviations of q's."""
+    ids = torch.tensor([1, 4, 6, 9, 12])
+    sub = torch.tensor([0.5, 1.5, -0.5, 1.0, 0.0])
+    generator = torch.Generator().manual_seed(3)
+    counts = torch.zeros(16)
+    for _ in range(4000):
+        chain = DraftChain(SAMPLED, generator, cut=(ids, 16))
+        counts[chain.pick(sub)] += 1
+    q = logits_to_probs(spread_logits(sub, ids, 16)[None], SAMPLED)[0]
+    assert ((counts - 4000 * q).abs() <= 5 * (4000 * q * (1 - q)).sqrt() + 1e-9).all()
 
 
 def test_a_cut_draft_model_proposes_as_its_spread_logits_do(

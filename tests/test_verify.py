@@ -138,6 +138,24 @@ def test_logits_to_probs_top_k_keeps_exactly_k() -> None:
     torch.testing.assert_close(everything, torch.softmax(logits, dim=-1))
 
 
+def test_top_p_over_a_large_vocabulary_is_the_full_sorts_nucleus() -> None:
+    """Rows of 40,000 logits whose nucleus holds from a few tokens to most of the row (past the
+    first 1,024 candidates, so the search widens): the kept set is the full sort's, away from
+    float near-ties at the edge (tokens whose mass before them is within 1e-4 of top_p)."""
+    generator = torch.Generator().manual_seed(7)
+    for scale in (0.2, 2.0, 8.0):
+        logits = torch.randn(3, 40_000, generator=generator) * scale
+        probs = torch.softmax(logits.double(), dim=-1)
+        for top_p in (0.3, 0.9, 0.99):
+            kept = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=top_p)) > 0
+            sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+            before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            want = torch.zeros_like(kept).scatter(-1, order, before < top_p)
+            edge = torch.zeros_like(kept).scatter(-1, order, (before - top_p).abs() < 1e-4)
+            assert torch.equal(kept[~edge], want[~edge]), (scale, top_p)
+            assert scale > 1 or bool((want.sum(dim=-1) > 1024).all())  # the search widened
+
+
 def test_logits_to_probs_top_p_keeps_smallest_nucleus() -> None:
     """top_p keeps the smallest prefix (by probability) whose mass reaches top_p."""
     base = torch.tensor([0.05, 0.5, 0.15, 0.3])  # sorted: 0.5, 0.3, 0.15, 0.05
