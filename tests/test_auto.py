@@ -169,6 +169,26 @@ def test_choice_prefers_the_drafter_with_the_higher_rate() -> None:
     assert order == [1, 0]
 
 
+def test_sure_guesses_are_estimated_apart() -> None:
+    """Lookup-like: its guesses miss unless it is sure, and then they are kept whole. Beside a
+    draft model that keeps half of its drafts, it is asked first with long drafts when sure,
+    after the draft model when not: one estimate of both kinds ranks it second either way."""
+    choice = DrafterChoice(2, k_max=8)
+    for step in range(40):
+        sure = step % 4 == 0
+        attempts = choice.order([sure, False])
+        drafter = attempts[0].index if attempts else 1
+        choice.asked(Attempt(drafter, 8, sure=sure and drafter == 0))
+        kept = (8 if sure else 0) if drafter == 0 else 2
+        choice.record(drafter, 8 if drafter == 0 else 4, kept,
+                      {drafter: 0.0001 if drafter == 0 else 0.004}, 0.02)
+        if drafter == 1:  # lookup, free, is shadowed on the steps it did not draft
+            choice.shadow(0, 8, 8 if sure else 0, 0.0001, sure)
+    sure_first = choice.order([True, False])[0]
+    assert sure_first.index == 0 and sure_first.k >= 6 and not sure_first.probe
+    assert choice.order([False, False])[0].index == 1
+
+
 # ----------------------------------------------------------------------------- sampling
 
 stat_models = test_engine_sampling.stat_models  # the 13-token target and draft, p1 and p2
@@ -275,22 +295,23 @@ class Recorder:
     def __init__(self) -> None:
         self.calls: list[tuple[int, int, int]] = []
 
-    def shadow(self, drafter: int, drafted: int, accepted: int, draft_time: float) -> None:
-        self.calls.append((drafter, drafted, accepted))
+    def shadow(self, drafter: int, drafted: int, accepted: int, draft_time: float,
+               sure: bool = False) -> None:
+        self.calls.append((drafter, drafted, accepted, sure))
 
 
 def test_a_shadow_guess_is_settled_by_the_output() -> None:
     shadows, seen = Shadows(), Recorder()
     output = [1, 2, 3]
-    shadows.add(0, 3, [5, 6, 7], 0.0)  # continues after output[:3]
+    shadows.add(0, 3, [5, 6, 7], 0.0, sure=True)  # continues after output[:3]
     shadows.add(1, 3, [5, 9], 0.0)
     shadows.add(1, 3, [], 0.0)  # nothing guessed: nothing to learn
     shadows.resolve([*output, 5], seen)  # both still match what is known
     assert seen.calls == []
     shadows.resolve([*output, 5, 6], seen)  # the second guess missed at its second token
-    assert seen.calls == [(1, 2, 1)]
+    assert seen.calls == [(1, 2, 1, False)]
     shadows.resolve([*output, 5, 6, 7, 8], seen)  # the first was kept whole
-    assert seen.calls == [(1, 2, 1), (0, 3, 3)]
+    assert seen.calls == [(1, 2, 1, False), (0, 3, 3, True)]
 
 
 class TwoRight(Drafter):
@@ -324,9 +345,9 @@ def test_a_free_drafter_learns_from_steps_another_drafted(
     real = DrafterChoice.shadow
 
     def shadow(self: DrafterChoice, drafter: int, drafted: int, accepted: int,
-               draft_time: float) -> None:
+               draft_time: float, sure: bool = False) -> None:
         told.append((drafter, drafted, accepted))
-        real(self, drafter, drafted, accepted, draft_time)
+        real(self, drafter, drafted, accepted, draft_time, sure)
 
     monkeypatch.setattr(DrafterChoice, "shadow", shadow)
     prompt = PROMPTS["random-a"]

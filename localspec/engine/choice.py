@@ -11,6 +11,14 @@ same whoever drafted them). Each step ``order`` ranks the drafters to ask:
      often enough that ranking them above a faster draft model cost 10-20% there);
   3. a resting drafter whose probe interval has run out.
 
+A drafter that says it is sure of its next guess is ranked by a second estimator that learns
+only its sure guesses: lookup's guesses after a match of its longest n-gram are kept far more
+often than after a one-token match (90% against 28% on the bench's answers), and one estimate
+of both kept it below the draft model at the start of a copied stretch after a run of weak
+misses (in one process, interleaved, over the six built-in prompts: `ngram` 33.52 -> 36.16
+tok/s, `auto` 40.66 -> 42.10). Where its sure guesses miss (code generation), that estimator
+learns it and the draft model stays first.
+
 A drafter that has not drafted yet in this answer and is behind the context (a draft model that
 must first read the whole prompt: ``Drafter.backlog``) waits while a drafter already measured
 pays, until the steps that kept no draft have cost as much as its catch-up would (ski rental:
@@ -70,6 +78,10 @@ class DrafterChoice:
         self.verify = VerifyLine()
         self.estimators = [AdaptiveK(k_max=self.k_max, enabled=enabled, verify=self.verify)
                            for _ in range(count)]
+        # each drafter's guesses made while it was sure, apart (lookup's long matches)
+        self.sure_estimators = [AdaptiveK(k_max=self.k_max, enabled=enabled,
+                                          verify=self.verify) for _ in range(count)]
+        self._sure: list[bool] = [False] * count  # this step's evidence
         self._asked: list[Attempt] = []
         self._resting: list[int] = []
         self._lost = 0.0  # verify seconds of steps that kept no draft: what a new one could save
@@ -79,6 +91,7 @@ class DrafterChoice:
         step. ``sure[i]``: drafter i's evidence for its next guess (``Drafter.sure``);
         ``catch_up[i]``: the seconds it would take to catch up on the context first."""
         self._resting = []
+        self._sure = list(sure)
         if self.k_max == 0:
             attempts: list[Attempt] = []
         elif not self.enabled:
@@ -92,6 +105,8 @@ class DrafterChoice:
         paying: list[tuple[float, bool, int, int]] = []
         for i, estimator in enumerate(self.estimators):
             k, rate = estimator.plan()
+            if sure[i] and (sure_plan := self.sure_estimators[i].plan())[0] > 0:
+                k, rate = sure_plan
             if k > 0:
                 paying.append((-rate, not sure[i], i, k))
             else:
@@ -124,6 +139,8 @@ class DrafterChoice:
             mine = i == drafter
             self.estimators[i].record_draft(drafted if mine else 0, accepted if mine else 0,
                                             draft_times.get(i, 0.0))
+            if mine and self._sure[i]:
+                self.sure_estimators[i].record_draft(drafted, accepted, draft_times.get(i, 0.0))
         for i in self._resting:
             if i not in asked:
                 self.estimators[i].rest()
@@ -132,9 +149,17 @@ class DrafterChoice:
         if accepted == 0:
             self._lost += verify_time
 
-    def shadow(self, drafter: int, drafted: int, accepted: int, draft_time: float) -> None:
-        """Learn what ``drafter`` would have kept of ``drafted`` tokens it did not draft."""
+    def sure_now(self, drafter: int) -> bool:
+        """Whether ``drafter`` was sure of its next guess this step."""
+        return self._sure[drafter]
+
+    def shadow(self, drafter: int, drafted: int, accepted: int, draft_time: float,
+               sure: bool = False) -> None:
+        """Learn what ``drafter`` would have kept of ``drafted`` tokens it did not draft
+        (``sure``: it was sure of them)."""
         self.estimators[drafter].record_draft(drafted, accepted, draft_time)
+        if sure:
+            self.sure_estimators[drafter].record_draft(drafted, accepted, draft_time)
 
 
 @dataclass
@@ -143,6 +168,7 @@ class _Pending:
     start: int  # the context's length when it was asked: its tokens continue from there
     tokens: list[int]
     seconds: float
+    sure: bool
 
 
 class Shadows:
@@ -153,9 +179,10 @@ class Shadows:
     def __init__(self) -> None:
         self._pending: list[_Pending] = []
 
-    def add(self, drafter: int, start: int, tokens: list[int], seconds: float) -> None:
+    def add(self, drafter: int, start: int, tokens: list[int], seconds: float,
+            sure: bool = False) -> None:
         if tokens:
-            self._pending.append(_Pending(drafter, start, list(tokens), seconds))
+            self._pending.append(_Pending(drafter, start, list(tokens), seconds, sure))
 
     def resolve(self, output: list[int], choice: DrafterChoice) -> None:
         """Teach ``choice`` every pending guess that ``output`` (the context so far) settles:
@@ -167,7 +194,7 @@ class Shadows:
             while kept < min(len(known), len(p.tokens)) and known[kept] == p.tokens[kept]:
                 kept += 1
             if kept < len(known) or kept == len(p.tokens):
-                choice.shadow(p.drafter, len(p.tokens), kept, p.seconds)
+                choice.shadow(p.drafter, len(p.tokens), kept, p.seconds, p.sure)
             else:
                 waiting.append(p)
         self._pending = waiting

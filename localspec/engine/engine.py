@@ -320,7 +320,8 @@ class SpeculativeEngine:
             if member.free and i not in asked:
                 start = time.perf_counter()
                 guess = member.propose(context, choice.k_max, params, generator)
-                shadows.add(i, len(context), guess.tokens, time.perf_counter() - start)
+                shadows.add(i, len(context), guess.tokens, time.perf_counter() - start,
+                            choice.sure_now(i))
 
     def _verify(
         self,
