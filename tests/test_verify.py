@@ -16,7 +16,7 @@ from localspec.engine.verify import (
     verify_greedy,
     verify_sampling,
 )
-from localspec.sampling import SamplingParams, logits_to_probs
+from localspec.sampling import SamplingParams, logits_to_probs, sample
 
 V = 7
 N_TRIALS = 20_000
@@ -115,6 +115,22 @@ def test_sampling_params_validation() -> None:
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=1.5)
     assert SamplingParams().greedy and not SamplingParams(temperature=0.7).greedy
+
+
+def test_sample_draws_from_the_distribution_and_never_a_token_without_mass() -> None:
+    """20,000 draws from an unnormalised row with zeros (between, first and last): each
+    token's count within 5 standard deviations of its share, the zeros never drawn; a row
+    without mass is refused."""
+    weights = torch.tensor([0.0, 0.2, 0.0, 0.6, 1.2, 0.0, 0.02, 0.0])
+    share = weights / weights.sum()
+    generator = torch.Generator().manual_seed(11)
+    counts = torch.zeros(len(weights))
+    for _ in range(20_000):
+        counts[sample(weights, generator)] += 1
+    assert (counts[share == 0] == 0).all()
+    assert ((counts - 20_000 * share).abs() <= 5 * (20_000 * share * (1 - share)).sqrt()).all()
+    with pytest.raises(ValueError, match="no mass"):
+        sample(torch.zeros(4), generator)
 
 
 def test_logits_to_probs_temperature() -> None:
