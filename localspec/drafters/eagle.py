@@ -55,6 +55,9 @@ class EagleDrafter(Drafter):
             self.feature_layers = (target.num_layers,)
         self.confidence_threshold = confidence_threshold
         self.calibration = Calibration()
+        # An EAGLE-3 head picks among its own vocabulary's rows (``DraftChain``'s cut).
+        self._cut = (None if head.lm_head is None
+                     else (head.draft_ids(), target.vocab_size))
         self.cache = HeadCache(head.spec, head.fc.weight.dtype, head.fc.weight.device)
         # The context at the last propose: head positions 0..len - 2 hold real features.
         self._tokens: list[int] = []
@@ -84,10 +87,11 @@ class EagleDrafter(Drafter):
         return self.head(hidden, embeds, start, self.cache, from_target)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[1, h] -> float32 logits [vocab_target]."""
+        """[1, h] -> float32 logits [vocab_target] (EAGLE), or over the head's own vocabulary
+        (EAGLE-3: ``_cut``)."""
         if self.head.lm_head is None:
             return self.target.head_logits(hidden)[0]
-        return self.head.draft_logits(hidden, self.target.vocab_size)[0]
+        return self.head.draft_logits(hidden)[0]
 
     def propose(
         self,
@@ -120,7 +124,7 @@ class EagleDrafter(Drafter):
         for_logits, hidden = for_logits[-1:], hidden[-1:]  # [1, h] each
 
         chain = DraftChain(params, generator, self.confidence_threshold, self.calibration,
-                           width)
+                           width, self._cut)
         for j in range(k):
             token = chain.pick(self._logits(for_logits))
             if token is None:

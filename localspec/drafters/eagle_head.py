@@ -269,13 +269,19 @@ class EagleHead(nn.Module):
             x = layer(x, embeds, rope, cache, start)
         return (x if self.norm is None else self.norm(x)), x
 
-    def draft_logits(self, hidden: torch.Tensor, target_vocab: int) -> torch.Tensor:
-        """EAGLE-3: float32 logits [n, target_vocab] from its own LM head over the draft
-        vocabulary; ids outside it are -inf."""
+    def draft_ids(self) -> torch.Tensor:
+        """EAGLE-3: the target's id of each row of its LM head, [draft_vocab]."""
+        return torch.arange(self.d2t.shape[0], device=self.d2t.device) + self.d2t
+
+    def draft_logits(self, hidden: torch.Tensor, target_vocab: int | None = None
+                     ) -> torch.Tensor:
+        """EAGLE-3: float32 logits from its own LM head: over the draft vocabulary [n,
+        draft_vocab] (``draft_ids`` names them), or with ``target_vocab`` spread to [n,
+        target_vocab], ids outside it -inf."""
         assert self.lm_head is not None, "EAGLE reads its output with the target's LM head"
         sub = self.lm_head(hidden).float()  # [n, draft_vocab]
-        targets = torch.arange(sub.shape[-1], device=sub.device) + self.d2t
-        return spread_logits(sub, targets, target_vocab)
+        return sub if target_vocab is None else spread_logits(sub, self.draft_ids(),
+                                                              target_vocab)
 
     def embed(self, ids: torch.Tensor, target_table: torch.Tensor) -> torch.Tensor:
         """[n] ids -> [n, h] with the head's own embedding if it has one, else the target's."""
