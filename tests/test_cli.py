@@ -118,8 +118,8 @@ def test_generate_json_and_streaming(capsys: pytest.CaptureFixture[str],
     assert code == 0, err
     data = json.loads(out)
     assert data["method"] == "draft_model" and len(data["samples"]) == 2
-    assert all(len(s["token_ids"]) == 8 for s in data["samples"])
-    assert data["stats"]["new_tokens"] == 16
+    lengths = [len(s["token_ids"]) for s in data["samples"]]  # a draw may end one at EOS
+    assert all(1 <= n <= 8 for n in lengths) and data["stats"]["new_tokens"] == sum(lengths)
     code, out, err = run_cli(capsys, "generate", "--preset", presets["draft"], "--prompt", "hi",
                              "--method", "ngram")
     assert code == 0, err
