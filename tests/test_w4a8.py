@@ -21,6 +21,7 @@ from localspec.engine.engine import GenerationRequest, SpeculativeEngine
 from localspec.models import packed_store
 from localspec.models.gguf_kquants import hf_module_name, read_kquant_matrices
 from localspec.models.loading import load_model
+from localspec.runtime import weight_formats
 from localspec.runtime.decoder import CpuDecoder
 from localspec.runtime.kernels import (
     KernelUnavailable,
@@ -163,7 +164,8 @@ def test_w4a8_takes_q4k_only_where_it_is_the_models_weight(lib: object) -> None:
     assert float((logits - reference).norm() / reference.norm()) < 0.05
 
 
-def test_w4a8_serves_q6k_matrices_in_their_own_kernel(lib: object) -> None:
+def test_w4a8_serves_q6k_matrices_in_their_own_kernel(lib: object,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """A GGUF's Q6_K matrices (here v, down and the LM head, 256 inputs wide) run exactly in
     the Q6_K kernel beside Q4_K ones, unrotated; the model stays a fixed function of each
     position (a pass over n tokens is bit for bit n one-token steps) and close to float. The
@@ -207,6 +209,10 @@ def test_w4a8_serves_q6k_matrices_in_their_own_kernel(lib: object) -> None:
     assert int(torch.isinf(cut).sum()) == 3 * (vocab - len(rows))
     assert type(cut_linear(lambda ids: torch.randn(len(ids), 48), torch.arange(5), lib)
                 ) is W8A8Linear  # no whole 32-groups
+    many = torch.arange(0, vocab, 4)  # quantized CUT_CHUNK rows at a time: the same product
+    whole = cut_linear(head.rows, many, lib)(hidden)
+    monkeypatch.setattr(weight_formats, "CUT_CHUNK", 16)
+    assert torch.equal(cut_linear(head.rows, many, lib)(hidden), whole)
 
 
 def test_w4a8_greedy_speculation_equals_plain(lib: object) -> None:
