@@ -96,7 +96,8 @@ def test_w4a8_native_stack_keeps_passes_equal_to_steps(lib: object) -> None:
     """With a bf16 cache and head_dim 32 (the tiny model above has 8) every layer runs in one
     native call: a pass still equals one-token steps bit for bit, EAGLE features included,
     and the logits are those of the tensor-call loop (with the attention kernel, or SDPA)
-    within float error; a prompt longer than ROW_ATTENTION_MAX (the loop, masked SDPA) too."""
+    within float error. A prompt longer than ROW_ATTENTION_MAX runs in pieces of the native
+    stack, so it too equals the steps bit for bit; the loop runs it as one masked SDPA call."""
     config = tiny_config()
     config.hidden_size, config.intermediate_size, config.num_attention_heads = 128, 128, 4
     torch.manual_seed(5)
@@ -115,11 +116,16 @@ def test_w4a8_native_stack_keeps_passes_equal_to_steps(lib: object) -> None:
                                steps[prefix:prefix + n]), (prefix, n)
             assert torch.equal(runner.features(prefix, prefix + n),
                                features[prefix:prefix + n]), (prefix, n)
-    tolerance = 0.03 * steps.abs().max().item()
     runner.reset()
-    long_prompt = runner.forward(tokens)  # 150 rows: the loop, one masked SDPA call a layer
-    assert torch.allclose(long_prompt[:40], steps, atol=tolerance)
+    long_prompt = runner.forward(tokens)  # 150 rows: native pieces of 128 and 22
+    assert torch.equal(long_prompt[:40], steps)
+    assert torch.equal(runner.features(0, 40), features)
+    assert runner.features(0, 150).shape[0] == 150
+    tolerance = 0.03 * steps.abs().max().item()
     decoder.native = None
+    runner.reset()
+    masked = runner.forward(tokens)  # the loop: one masked SDPA call a layer
+    assert torch.allclose(masked[:40], steps, atol=tolerance)
     for attention in (decoder.row_attention, None):
         decoder.row_attention = attention
         runner.reset()

@@ -10,8 +10,8 @@ first RMS-norms every query and key head, ``q_norm`` / ``k_norm``), the new
 keys and values written in place into a static cache, and attention (the native kernel
 ``RowAttention`` over a bf16 cache, else PyTorch's SDPA with grouped-query heads). Rolling the
 cache back is a length change: stale positions are simply overwritten by the next pass. Where
-every layer is Q4_K / Q6_K, all of this runs in one native call instead (``native.py``), except
-for prompts longer than ROW_ATTENTION_MAX.
+every layer is Q4_K / Q6_K, all of this runs in one native call instead (``native.py``), a
+longer feed (a prompt) in pieces of ROW_ATTENTION_MAX rows.
 
 In int8, the down projection's input (SiLU(gate) * up: heavy-tailed, a few channels far
 larger than the rest) is first turned by a block Hadamard rotation, and the weight by the same
@@ -225,6 +225,8 @@ class CpuDecoder:
         output), concatenated: [n, len(layers) * d] float32, None when ``layers`` is empty.
         What a feature-level drafter (EAGLE-3's low, middle and high layers) reads."""
         n = ids.shape[0]
+        if self.native is not None and parents is None and n > ROW_ATTENTION_MAX:
+            return self._in_pieces(ids, cache, start, layers)
         end = start + n
         cache.reserve(end)
         x = F.embedding(ids, self.embed).float()
@@ -256,10 +258,23 @@ class CpuDecoder:
         entering[len(self.layers)] = hidden
         return hidden, torch.cat([entering[i] for i in layers], dim=-1)
 
+    def _in_pieces(self, ids: torch.Tensor, cache: KVCache, start: int, layers: tuple[int, ...]
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``forward_features`` of a long feed (a prompt, a catch-up) through the native stack,
+        ROW_ATTENTION_MAX rows a call. Each row's result there does not depend on the other
+        rows of its call, so the cache and outputs are those of feeding the rows one at a time
+        (as decoding does); it is also faster than the tensor calls and masked SDPA (1.5B, 2 cores:
+        5.2 against 5.6 ms a token at 179 tokens, 6.3 against 7.4 at 426)."""
+        pieces = [self.forward_features(ids[at:at + ROW_ATTENTION_MAX], cache, start + at, layers)
+                  for at in range(0, ids.shape[0], ROW_ATTENTION_MAX)]
+        hidden = torch.cat([h for h, _ in pieces])
+        features = [f for _, f in pieces if f is not None]
+        return hidden, torch.cat(features) if features else None
+
     def _layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
                 start: int, layers: tuple[int, ...], entering: dict[int, torch.Tensor],
                 parents: torch.Tensor | None = None) -> torch.Tensor:
-        """The layers in tensor calls (int8 or dense layers, long prompts); the output before
+        """The layers in tensor calls (int8 or dense layers); the output before
         the final norm. ``entering`` receives the inputs of ``layers``; ``parents``: a tree
         (row attention only)."""
         n = x.shape[0]
