@@ -220,15 +220,17 @@ class Pipeline:
         return self._engines[method]
 
     def request(self, prompt_ids: list[int], stop_strings: tuple[str, ...] = (),
-                **overrides: object) -> GenerationRequest:
+                reuse_prefix: bool = False, **overrides: object) -> GenerationRequest:
         """A request with the preset's settings, any of them overridden by keyword (None keeps
-        the preset's); validated as ``request_settings_for`` says."""
+        the preset's); validated as ``request_settings_for`` says. ``reuse_prefix``: a chat's
+        next turn, whose prompt starts with the last one's tokens (``GenerationRequest``)."""
         r = request_settings_for(self.preset, **overrides)
         return GenerationRequest(
             prompt_ids=prompt_ids, max_new_tokens=r.max_new_tokens,
             sampling=SamplingParams(r.temperature, r.top_k, r.top_p),
             num_speculative_tokens=r.num_speculative_tokens, adaptive=r.adaptive,
-            stop_strings=stop_strings, seed=r.seed, tree_width=r.tree_width)
+            stop_strings=stop_strings, seed=r.seed, tree_width=r.tree_width,
+            reuse_prefix=reuse_prefix)
 
     def engine_with(self, drafter: Drafter | None) -> SpeculativeEngine:
         """An engine over the target's runner with ``drafter`` (None: plain decoding); not

@@ -171,6 +171,25 @@ def test_sampling_is_seeded_and_reproducible(qwen_pair: Pipeline) -> None:
     assert runs[0] == runs[1]
 
 
+def test_a_conversations_next_turn_reads_only_its_new_tokens(qwen_pair: Pipeline) -> None:
+    """Turn two keeps turn one's cached tokens (target and draft, both the native stack) and
+    answers exactly as a cold start, greedy and seeded sampling alike."""
+    turn = [{"role": "user", "content": "Write a Python function that reverses a string."}]
+    first = qwen_pair.run(qwen_pair.request(qwen_pair.encode_chat(turn), reuse_prefix=True,
+                                            max_new_tokens=24, temperature=0.0))
+    turn += [{"role": "assistant", "content": first.text},
+             {"role": "user", "content": "Now make it reverse the words instead."}]
+    ids = qwen_pair.encode_chat(turn)
+    for settings in ({"temperature": 0.0}, {"temperature": 0.8, "seed": 3, "adaptive": False}):
+        warm = qwen_pair.run(qwen_pair.request(ids, reuse_prefix=True, max_new_tokens=24,
+                                               **settings), "draft_model")
+        cold = qwen_pair.run(qwen_pair.request(ids, max_new_tokens=24, **settings),
+                             "draft_model")
+        assert warm.token_ids == cold.token_ids, settings
+        assert warm.stats.cached_tokens >= len(qwen_pair.encode_chat(turn[:1]))
+        assert cold.stats.cached_tokens == 0
+
+
 def test_mismatched_tokenizer_is_refused(qwen_pair: Pipeline, smollm: Pipeline) -> None:
     with pytest.raises(ModelLoadError) as err:
         check_same_tokenizer(qwen_pair.target, smollm.target)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 import re
 from collections.abc import Iterator
+from dataclasses import replace
 from html.parser import HTMLParser
 
 import pytest
@@ -163,6 +164,15 @@ def test_plain_decoding_readout_has_no_acceptance() -> None:
     live = LiveStats("none", clock=FakeClock())
     live.add(event(1, (), 0, 1, "bonus", finish="eos"))
     assert "acceptance" not in summary_line(live)
+    assert "kept from the last turn" not in stats_html(live)  # a cold start says nothing
+
+
+def test_a_warm_turn_shows_the_prompt_tokens_it_kept() -> None:
+    live = LiveStats("none", clock=FakeClock())
+    live.add(replace(event(1, (), 0, 1, "bonus"), cached=412))
+    live.add(event(2, (), 0, 2, "bonus", finish="eos"))
+    assert live.stats.cached_tokens == 412
+    assert "prompt tokens kept from the last turn</td><td class=\"ls-num\">412" in stats_html(live)
     assert "stopped: eos" in summary_line(live)
     assert "no drafts yet" in acceptance_chart_html(live.stats)
 

@@ -55,10 +55,12 @@ def step_tokens(event: StepEvent, texts: TokenTexts) -> list[dict[str, object]]:
     return tokens
 
 
-def usage(job: Job) -> dict[str, int]:
+def usage(job: Job) -> dict[str, object]:
+    """OpenAI's usage; ``cached_tokens``: prompt tokens a conversation's cache already held."""
     completion = job.stats.new_tokens
     return {"prompt_tokens": job.prompt_tokens, "completion_tokens": completion,
-            "total_tokens": job.prompt_tokens + completion}
+            "total_tokens": job.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": job.stats.cached_tokens}}
 
 
 def speculation(job: Job) -> dict[str, object]:

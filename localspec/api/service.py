@@ -132,7 +132,7 @@ class ApiService:
             prompt = (pipeline.encode_chat(body.chat()) if isinstance(body, ChatRequest)
                       else self._raw_prompt(pipeline, body.prompt))
             request = pipeline.request(prompt, stop_strings=body.stop_strings(),
-                                       max_new_tokens=body.new_tokens(),
+                                       reuse_prefix=True, max_new_tokens=body.new_tokens(),
                                        temperature=body.temperature, top_p=body.top_p,
                                        top_k=body.top_k, seed=body.seed)
         except LocalSpecError as exc:  # a template's refusal, a setting out of range, ...

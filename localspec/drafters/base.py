@@ -180,6 +180,12 @@ class Drafter(ABC):
     def reset(self) -> None:
         """Forget all per-sequence state before a new generation."""
 
+    def reset_keeping_cache(self) -> None:
+        """``reset``, where the next context may start with this one's tokens (a conversation's
+        next turn): a drafter whose cache is exact whatever fed it (``ModelRunner.row_exact``)
+        may keep it. A plain ``reset`` by default."""
+        self.reset()
+
     @abstractmethod
     def propose(
         self,

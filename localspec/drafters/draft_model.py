@@ -72,6 +72,12 @@ class DraftModelDrafter(Drafter):
         self.runner.reset()
         self._seen = []
 
+    def reset_keeping_cache(self) -> None:
+        """An exact cache is kept: the next ``propose`` keeps the prefix its context shares
+        with ``_seen`` and feeds the rest."""
+        if not self.runner.row_exact:
+            self.reset()
+
     def _common(self, context: list[int]) -> int:
         """Tokens at the start of ``context`` whose K/V the draft cache holds (always one fewer
         than ``context``: the last token is fed for its logits)."""

@@ -43,6 +43,10 @@ class MultiDrafter(Drafter):
         for member in self.members:
             member.reset()
 
+    def reset_keeping_cache(self) -> None:
+        for member in self.members:
+            member.reset_keeping_cache()
+
     def sure(self, context: list[int]) -> bool:
         """Any member's evidence (see ``NgramDrafter.sure``)."""
         return any(member.sure(context) for member in self.members)

@@ -53,6 +53,9 @@ class GenerationRequest:
     # candidates for the first draft token, verified as a tree (greedy, where the target
     # runner supports trees; 1: a chain)
     tree_width: int = 1
+    # keep the caches' tokens this prompt starts with (a conversation's earlier turns) where
+    # they are exact (``ModelRunner.keep_prefix``); False: a cold start, as benchmarks need
+    reuse_prefix: bool = False
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,7 @@ class StepEvent:
     verify_time: float
     finish_reason: str | None = None  # "eos" | "stop" | "length" | "cancelled" | None
     drafter: str | None = None  # the drafter of ``drafted`` (a member's name); None: no drafts
+    cached: int = 0  # first step only: prompt tokens kept from the last request's cache
 
     @property
     def rejected(self) -> tuple[int, ...]:
@@ -181,11 +185,12 @@ class SpeculativeEngine:
         generator = torch.Generator(device=self.target.device).manual_seed(request.seed)
         stream = _TextStream(self.decode, request.stop_strings)
 
-        self.target.reset()
         # Hidden states are kept only for a drafter that reads them: a head drafter asks
         # again in its reset, and the engines of one preset share the target runner.
         self.target.record_features(None)
-        if self.drafter is not None:
+        if self.drafter is not None and request.reuse_prefix:
+            self.drafter.reset_keeping_cache()
+        elif self.drafter is not None:
             self.drafter.reset()
         members = self.members()
         choice = DrafterChoice(len(members), request.num_speculative_tokens, request.adaptive)
@@ -193,11 +198,16 @@ class SpeculativeEngine:
         shadows = Shadows() if params.greedy and len(members) > 1 else None
         width = request.tree_width if params.greedy and self.target.supports_trees else 1
         context = list(request.prompt_ids)
+        cached = 0  # prompt tokens whose cache the last request left
+        if request.reuse_prefix:
+            cached = self.target.keep_prefix(context[:-1])
+        else:
+            self.target.reset()
         prefill_cost = 0.0  # seconds a token of the target's prefill: a catch-up's upper bound
-        if len(context) > 1:
+        if len(context) - 1 > cached:
             start = time.perf_counter()
-            self.target.forward(context[:-1], logits_to_keep=1)
-            prefill_cost = (time.perf_counter() - start) / (len(context) - 1)
+            self.target.forward(context[cached:-1], logits_to_keep=1)
+            prefill_cost = (time.perf_counter() - start) / (len(context) - 1 - cached)
         generated = 0
         step = 0
         while True:
@@ -262,6 +272,7 @@ class SpeculativeEngine:
                 verify_time=t2 - t1,
                 finish_reason=finish,
                 drafter=proposal.drafter if drafts else None,
+                cached=cached if step == 1 else 0,
             )
             if finish is not None:
                 return

@@ -20,6 +20,7 @@ class GenerationStats:
     draft_time: float = 0.0
     verify_time: float = 0.0
     wall_time: float = 0.0
+    cached_tokens: int = 0  # prompt tokens whose cache a request kept (``reuse_prefix``)
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
     # drafter's name -> [steps it drafted, tokens drafted, tokens accepted]
@@ -29,6 +30,7 @@ class GenerationStats:
         if not event.drafted and not event.tokens:
             return  # a cancellation marker, no forward pass
         self.new_tokens += len(event.tokens)
+        self.cached_tokens += event.cached
         self.target_forward_passes += 1
         self.drafted += len(event.drafted)
         self.accepted += event.accepted
@@ -48,7 +50,7 @@ class GenerationStats:
     def merge(self, other: GenerationStats) -> GenerationStats:
         """Add another run's counts and times into this one; return self."""
         for name in ("new_tokens", "target_forward_passes", "drafted", "accepted",
-                     "draft_time", "verify_time", "wall_time"):
+                     "draft_time", "verify_time", "wall_time", "cached_tokens"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in ((self.drafted_per_position, other.drafted_per_position),
                              (self.accepted_per_position, other.accepted_per_position)):
@@ -89,6 +91,7 @@ class GenerationStats:
             "drafted": self.drafted,
             "accepted": self.accepted,
             "new_tokens": self.new_tokens,
+            "cached_prompt_tokens": self.cached_tokens,
             "draft_time_s": round(self.draft_time, 3),
             "verify_time_s": round(self.verify_time, 3),
             "wall_time_s": round(self.wall_time, 3),

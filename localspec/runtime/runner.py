@@ -1,12 +1,12 @@
 """ModelRunner: the only thing the engine and the drafters need from a language model.
 
-A runner owns one sequence's KV cache and offers three operations: feed new tokens and get
-their logits (and last hidden states, for feature-level drafters), roll the cache back to a
-length, and reset. Where the native CPU decoder runs, new tokens may also form a tree (each
-sees its root path only: draft trees verified in one pass) of which ``keep_path`` keeps one.
-Two forwards can sit under it: a Hugging Face causal LM (any architecture, any device), or
-``CpuDecoder`` (Llama-family models on a CPU: int8 kernels, a static cache whose rollback is
-a length change).
+A runner owns one sequence's KV cache: feed new tokens and get their logits (and last hidden
+states, for feature-level drafters), roll the cache back to a length, keep the prefix a new
+request shares with it (``keep_prefix``), reset. Where the native CPU decoder runs, new tokens
+may form a tree (each sees its root path only) of which ``keep_path`` keeps one. Under it sits
+a Hugging Face causal LM (any architecture, any device) or ``CpuDecoder`` (Llama-family models
+on a CPU: native kernels, a static cache whose rollback is a length change). It does not
+sample, verify or tokenize.
 
 The Hugging Face forward keeps a ``DynamicCache`` (it grows as tokens come), or, with
 ``static_cache=N``, a ``StaticCache`` of N positions allocated once: rollback and reset move
@@ -16,27 +16,20 @@ graphs need. ``cuda_graphs=True`` (with a static cache) runs each forward of up 
 ``GRAPH_WIDTHS[-1]`` tokens as a CUDA graph compiled once per width bucket
 (``torch.compile(mode="reduce-overhead")``): a feed of n tokens is padded to the next bucket
 with copies of its last token at the following positions, whose keys and values land past
-the length and are dropped as stale (no real row attends to a later position). An eager pass
-of a 7B model on an H200 is launch-bound (~20 ms against ~6 ms of kernels): the graph
-replays the kernels without Python in between. Off CUDA the same step is traced with the
-compiler's eager backend (no graphs): how the padding and cropping are tested on a CPU.
+the length and are dropped as stale. An eager pass of a 7B model on an H200 is launch-bound
+(~20 ms against ~6 ms of kernels): the graph replays the kernels without Python in between.
+Off CUDA the step is traced with the eager backend: how padding and cropping are tested.
 
-Why ``logits_fp32``: in bfloat16 a batched verify pass and one-token-at-a-time decoding can
-pick different argmaxes when two logits are close (bf16 logits are spaced 0.125 apart at
-magnitude 16-32). We run the final norm in float32 and, instead of a float32 LM head over the
-whole vocabulary (0.4 s for 16 rows of the 1.5B here, against 0.07 s in bf16), compute the bf16
-LM head and then recompute in float32 only the logits within a safe margin of each row's
-maximum. The argmax and the top of the distribution are then float32-exact at bf16 cost;
+Why ``logits_fp32``: in bfloat16 a batched verify pass and one-token decoding can pick
+different argmaxes at near-ties (bf16 logits are 0.125 apart at magnitude 16-32). The final
+norm runs in float32, the LM head in bf16 (a float32 head over the whole vocabulary: 0.4 s for
+16 rows of the 1.5B, against 0.07 s), and only the logits near each row's maximum again in
+float32 (``refine_top_logits``): the argmax and the top of the distribution are float32-exact;
 ``localspec verify`` measures what near-ties remain.
 
-Feature-level drafters (EAGLE, EAGLE-3, Medusa) draft from the target's hidden states of the
-tokens it has already verified. ``record_features`` names the layers they read; from then on
-every forward keeps those rows per position, like keys and values, so that a drafter reads the
-features of the verify pass the engine already ran (and of a prompt fed with
-``logits_to_keep=1``): no extra target forward. Crop and reset need nothing more, since rows
-past ``length`` are stale and overwritten by the next forward.
-
-The runner deliberately does not sample, verify or tokenize.
+Feature-level drafters (EAGLE, EAGLE-3, Medusa) draft from the target's hidden states of
+verified tokens: every forward keeps the rows of the layers ``record_features`` names per
+position, like keys and values, so a drafter reads the verify pass the engine already ran.
 """
 
 from __future__ import annotations
@@ -49,26 +42,12 @@ from torch import nn
 from transformers import DynamicCache, PreTrainedModel, StaticCache
 
 from localspec.runtime.decoder import CpuDecoder, KVCache
-from localspec.runtime.weight_formats import spread_logits
+from localspec.runtime.weight_formats import refine_top_logits, spread_logits
 
 FEATURE_BLOCK = 256  # the feature store grows by at least this many positions
 GRAPH_WIDTHS = (1, 2, 4, 8, 16, 32)  # CUDA graph buckets of tokens per forward; wider: eager
 GRAPHED_RUNNERS = 4  # compiled variants are budgeted for this many runners in a process
 PREFILL_CHUNK = 512  # a longer feed whose leading logits are not wanted runs in pieces
-
-
-def refine_top_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """LM head in the weight's dtype, then float32-exact logits near each row's maximum.
-
-    hidden: [n, d] float32; weight: [vocab, d] bf16/fp16. Returns [n, vocab] float32. The
-    margin covers bf16 rounding of the inputs and of the output (2^-8 relative) many times over.
-    """
-    logits = torch.nn.functional.linear(hidden.to(weight.dtype), weight).float()
-    top = logits.max(dim=-1, keepdim=True).values
-    margin = torch.clamp(top.abs() * 2.0**-5, min=0.25)
-    rows, cols = torch.nonzero(logits >= top - margin, as_tuple=True)
-    logits[rows, cols] = (hidden[rows] * weight[cols].float()).sum(dim=-1)
-    return logits
 
 
 class ModelRunner:
@@ -84,6 +63,7 @@ class ModelRunner:
         self.logits_fp32 = logits_fp32
         self.decoder = decoder
         self.length = 0
+        self._held: list[int] = []  # the tokens fed; the first ``length`` are in the cache
         self.last_hidden: torch.Tensor | None = None  # [n, hidden] of the last forward
         self.feature_layers: tuple[int, ...] | None = None  # see record_features
         self._features: torch.Tensor | None = None  # [capacity, len(feature_layers) * hidden]
@@ -178,6 +158,25 @@ class ModelRunner:
         self._features_from = 0
         self._tree = None
 
+    @property
+    def row_exact(self) -> bool:
+        """Whether a token's keys, values and logits are the same bits however it was fed (one
+        at a time, in a verify pass, a prompt's pieces: the native stack): a kept cache is then
+        exactly what a fresh prefill makes."""
+        return self.decoder is not None and self.decoder.native is not None
+
+    def keep_prefix(self, tokens: list[int]) -> int:
+        """Keep the cached tokens ``tokens`` starts with (a conversation's earlier turns); how
+        many. None (a reset) unless ``row_exact`` and no head records features from the prompt."""
+        held = self._held[:self.length] if self.row_exact and self.feature_layers is None else []
+        kept = next((i for i, (a, b) in enumerate(zip(held, tokens, strict=False)) if a != b),
+                    min(len(held), len(tokens)))
+        if kept:
+            self.crop(kept)
+        else:
+            self.reset()
+        return kept
+
     def record_features(self, layers: tuple[int, ...] | None) -> None:
         """From the next forward on, keep for every token fed the hidden states entering each of
         ``layers``, concatenated (numbered as Hugging Face's ``hidden_states``: 0 is the
@@ -265,6 +264,7 @@ class ModelRunner:
         """
         keep = slice(-logits_to_keep, None) if logits_to_keep else slice(None)
         layers = self.feature_layers
+        self._held[self.length:] = token_ids
         tree, self._tree = None, None
         if parents is not None:
             if not self.supports_trees:
@@ -385,6 +385,7 @@ class ModelRunner:
                 store[:, :, target] = store[:, :, source]  # the right side is a copy
             if self._features is not None and self._features_from <= start:
                 self._features[target] = self._features[source]
+        self._held[start:] = [self._held[start + r] for r in rows]
         self.length = start + len(rows)
         self._tree = None
 

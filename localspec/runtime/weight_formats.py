@@ -237,6 +237,20 @@ def layer_linear(weights: Mapping[str, torch.Tensor], prefix: str, lib: object |
     return parts[0] if len(parts) == 1 else ConcatLinear(parts)
 
 
+def refine_top_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """LM head in the weight's dtype, then float32-exact logits near each row's maximum.
+
+    hidden: [n, d] float32; weight: [vocab, d] bf16/fp16. Returns [n, vocab] float32. The
+    margin covers bf16 rounding of the inputs and of the output (2^-8 relative) many times over.
+    """
+    logits = torch.nn.functional.linear(hidden.to(weight.dtype), weight).float()
+    top = logits.max(dim=-1, keepdim=True).values
+    margin = torch.clamp(top.abs() * 2.0**-5, min=0.25)
+    rows, cols = torch.nonzero(logits >= top - margin, as_tuple=True)
+    logits[rows, cols] = (hidden[rows] * weight[cols].float()).sum(dim=-1)
+    return logits
+
+
 def spread_logits(sub: torch.Tensor, rows: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Logits [..., len(rows)] of a cut vocabulary -> [..., vocab_size], -inf at the other ids
     (a cut head can never propose them)."""

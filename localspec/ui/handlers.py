@@ -235,7 +235,7 @@ class ChatApp:
         """Generate (the lock is held) and show the answer as it comes; see the module doc for
         what a refusal, a failure, a Stop or an empty answer leave behind."""
         method = self._method(pipe, s)
-        started = self._start(pipe, self._with_system(turn.messages, s), s, method, cancel)
+        started = self._start(pipe, self._with_system(turn.messages, s), s, method, cancel, True)
         if isinstance(started, str):  # refused before any token
             yield self._restore(turn, started, saver)
             return
@@ -378,12 +378,14 @@ class ChatApp:
         return [*system, *messages]
 
     def _start(self, pipe: Pipeline, messages: Messages, s: Settings, method: str,
-               cancel: threading.Event) -> tuple[GenerationRequest, Iterator[StepEvent]] | str:
-        """Validate and start a generation (on the host's engine thread); or why not, for the
-        user (a refused setting, an over-long prompt, a method this preset cannot run: all
-        before any token)."""
+               cancel: threading.Event, reuse_prefix: bool = False
+               ) -> tuple[GenerationRequest, Iterator[StepEvent]] | str:
+        """Validate and start a generation (on the host's engine thread; a chat turn keeps the
+        conversation's cached tokens, a race starts cold); or why not, for the user (a refused
+        setting, an over-long prompt, a method this preset cannot run: all before any token)."""
         try:
-            request = pipe.request(pipe.encode_chat(messages), **s.overrides())
+            request = pipe.request(pipe.encode_chat(messages), reuse_prefix=reuse_prefix,
+                                   **s.overrides())
             return request, self.host.on_engine(pipe.stream(request, method,
                                                             cancelled=cancel.is_set))
         except LocalSpecError as exc:

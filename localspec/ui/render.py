@@ -169,6 +169,8 @@ def stats_html(live: LiveStats) -> str:
         ("draft time / verify time", f"{s.draft_time:.2f} s / {s.verify_time:.2f} s"),
         ("current k", str(live.k)),
     ]
+    if s.cached_tokens:  # a conversation's earlier turns, not read again
+        rows.append(("prompt tokens kept from the last turn", str(s.cached_tokens)))
     counts = s.drafters()
     if len(counts) > 1 or (counts and live.method not in counts):  # an auto set: each member
         rows += [(f"{name}: steps, accepted / drafted",
