@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from api_helpers import serving
+from openai import OpenAI
 
 from localspec.cli import check
 from localspec.cli.bench import load_prompts
@@ -20,6 +22,7 @@ from localspec.cli.check import P_VALUE_THRESHOLD, check_greedy, check_sampling
 from localspec.config import ModelSpec, parse_preset
 from localspec.drafters.multi import MultiDrafter
 from localspec.engine.engine import GenerationError
+from localspec.host import ModelHost
 from localspec.models.builtin import BUILTIN_MODELS
 from localspec.models.cache import _source_files, kernel_dir
 from localspec.models.loading import ModelLoadError, check_same_tokenizer, load_model
@@ -188,6 +191,27 @@ def test_a_conversations_next_turn_reads_only_its_new_tokens(qwen_pair: Pipeline
         assert warm.token_ids == cold.token_ids, settings
         assert warm.stats.cached_tokens >= len(qwen_pair.encode_chat(turn[:1]))
         assert cold.stats.cached_tokens == 0
+
+
+def test_the_api_keeps_a_conversations_cache(qwen_pair: Pipeline) -> None:
+    """Through the official client: turn two reports the prompt tokens it kept, and its answer
+    is the cold start's."""
+    host = ModelHost(loader=lambda *_: qwen_pair, warm_up=False, audit=False)
+    assert host.load("cpu-qwen-coder-draft"), host.status().error
+    turn = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
+    with serving(host) as url:
+        client = OpenAI(base_url=url, api_key="unused", max_retries=0)
+        first = client.chat.completions.create(model="cpu-qwen-coder-draft", messages=turn,
+                                               max_tokens=16, temperature=0)
+        turn += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "Now for three numbers."}]
+        second = client.chat.completions.create(model="cpu-qwen-coder-draft", messages=turn,
+                                                max_tokens=16, temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens
+    assert first.usage.prompt_tokens_details.cached_tokens < first.usage.prompt_tokens
+    cold = qwen_pair.run(qwen_pair.request(qwen_pair.encode_chat(turn), max_new_tokens=16,
+                                           temperature=0.0))
+    assert second.choices[0].message.content == cold.text
 
 
 def test_mismatched_tokenizer_is_refused(qwen_pair: Pipeline, smollm: Pipeline) -> None:
