@@ -21,7 +21,7 @@ import time
 import torch
 
 from localspec.drafters.base import BuildContext, Calibration, DraftChain, Drafter, Proposal
-from localspec.runtime.runner import ModelRunner
+from localspec.runtime.runner import ModelRunner, common_prefix
 from localspec.sampling import SamplingParams
 
 CATCH_UP_SPLIT = 4  # more tokens to catch up on than this are fed in a pass of their own
@@ -81,13 +81,7 @@ class DraftModelDrafter(Drafter):
     def _common(self, context: list[int]) -> int:
         """Tokens at the start of ``context`` whose K/V the draft cache holds (always one fewer
         than ``context``: the last token is fed for its logits)."""
-        limit = min(len(self._seen), len(context) - 1)
-        if self._seen[:limit] == context[:limit]:  # the usual case, compared in C
-            return limit
-        common = 0
-        while common < limit and self._seen[common] == context[common]:
-            common += 1
-        return common
+        return common_prefix(self._seen, context[:-1])
 
     def backlog(self, context: list[int]) -> int:
         return len(context) - self._common(context)

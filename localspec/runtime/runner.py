@@ -8,17 +8,12 @@ a Hugging Face causal LM (any architecture, any device) or ``CpuDecoder`` (Llama
 on a CPU: native kernels, a static cache whose rollback is a length change). It does not
 sample, verify or tokenize.
 
-The Hugging Face forward keeps a ``DynamicCache`` (it grows as tokens come), or, with
-``static_cache=N``, a ``StaticCache`` of N positions allocated once: rollback and reset move
-its length and nothing else (positions past the length are masked out by the causal mask and
-overwritten by the next forward), and its tensors keep their addresses, which is what CUDA
-graphs need. ``cuda_graphs=True`` (with a static cache) runs each forward of up to
-``GRAPH_WIDTHS[-1]`` tokens as a CUDA graph compiled once per width bucket
-(``torch.compile(mode="reduce-overhead")``): a feed of n tokens is padded to the next bucket
-with copies of its last token at the following positions, whose keys and values land past
-the length and are dropped as stale. An eager pass of a 7B model on an H200 is launch-bound
-(~20 ms against ~6 ms of kernels): the graph replays the kernels without Python in between.
-Off CUDA the step is traced with the eager backend: how padding and cropping are tested.
+The Hugging Face forward keeps a ``DynamicCache``, or with ``static_cache=N`` a ``StaticCache``
+of N positions allocated once: rollback and reset move its length only (later positions are
+masked and overwritten), and its tensors keep the addresses CUDA graphs need.
+``cuda_graphs=True`` (with a static cache) runs each forward of up to ``GRAPH_WIDTHS[-1]``
+tokens as a CUDA graph compiled once per width bucket, padded with copies of its last token
+whose cache entries land past the length (docs/design.md, "The GPU path").
 
 Why ``logits_fp32``: in bfloat16 a batched verify pass and one-token decoding can pick
 different argmaxes at near-ties (bf16 logits are 0.125 apart at magnitude 16-32). The final
@@ -48,6 +43,14 @@ FEATURE_BLOCK = 256  # the feature store grows by at least this many positions
 GRAPH_WIDTHS = (1, 2, 4, 8, 16, 32)  # CUDA graph buckets of tokens per forward; wider: eager
 GRAPHED_RUNNERS = 4  # compiled variants are budgeted for this many runners in a process
 PREFILL_CHUNK = 512  # a longer feed whose leading logits are not wanted runs in pieces
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many tokens ``a`` and ``b`` share from their start (compared in C when all are)."""
+    limit = min(len(a), len(b))
+    if a[:limit] == b[:limit]:
+        return limit
+    return next(i for i in range(limit) if a[i] != b[i])
 
 
 class ModelRunner:
@@ -160,17 +163,15 @@ class ModelRunner:
 
     @property
     def row_exact(self) -> bool:
-        """Whether a token's keys, values and logits are the same bits however it was fed (one
-        at a time, in a verify pass, a prompt's pieces: the native stack): a kept cache is then
-        exactly what a fresh prefill makes."""
+        """Whether a token's keys and logits are the same bits however it was fed (the native
+        stack's steps, verify passes, prompt pieces): a kept cache is a fresh prefill's."""
         return self.decoder is not None and self.decoder.native is not None
 
     def keep_prefix(self, tokens: list[int]) -> int:
         """Keep the cached tokens ``tokens`` starts with (a conversation's earlier turns); how
         many. None (a reset) unless ``row_exact`` and no head records features from the prompt."""
-        held = self._held[:self.length] if self.row_exact and self.feature_layers is None else []
-        kept = next((i for i, (a, b) in enumerate(zip(held, tokens, strict=False)) if a != b),
-                    min(len(held), len(tokens)))
+        exact = self.row_exact and self.feature_layers is None
+        kept = common_prefix(self._held[:self.length], tokens) if exact else 0
         if kept:
             self.crop(kept)
         else:
