@@ -193,10 +193,18 @@ def test_a_dropped_connection_continues_where_it_stopped(
         repos["org/big-GGUF"].files["big.gguf"]
 
 
+# `python3 -m localspec` as a terminal starts it: Ctrl-C raises KeyboardInterrupt. A child
+# inherits an ignored SIGINT, and Python then installs no handler; after earlier tests of a
+# full run the child ignored Ctrl-C and kept retrying its held read past the test's 60 s.
+_AS_FROM_A_TERMINAL = ("import runpy, signal, sys; signal.signal(signal.SIGINT, "
+                       "signal.default_int_handler); sys.argv[0] = 'localspec'; "
+                       "runpy.run_module('localspec', run_name='__main__', alter_sys=True)")
+
+
 def _cli(hub: FakeHub, models: Path, tmp_path: Path, *args: str) -> subprocess.Popen[str]:
     env = {**os.environ, "HF_ENDPOINT": hub.url, "LOCALSPEC_MODELS": str(models),
            "LOCALSPEC_DATA": str(tmp_path / "data"), "HF_HOME": str(tmp_path / "hf-home")}
-    return subprocess.Popen([sys.executable, "-m", "localspec", "models", "add", *args],
+    return subprocess.Popen([sys.executable, "-c", _AS_FROM_A_TERMINAL, "models", "add", *args],
                             cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
