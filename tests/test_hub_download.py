@@ -196,8 +196,8 @@ def test_a_dropped_connection_continues_where_it_stopped(
 # `python3 -m localspec` as a terminal starts it: Ctrl-C raises KeyboardInterrupt. A child
 # inherits an ignored SIGINT, and Python then installs no handler; after earlier tests of a
 # full run the child ignored Ctrl-C and kept retrying its held read past the test's 60 s.
-_AS_FROM_A_TERMINAL = ("import runpy, signal, sys; signal.signal(signal.SIGINT, "
-                       "signal.default_int_handler); sys.argv[0] = 'localspec'; "
+_AS_FROM_A_TERMINAL = ("import runpy, signal; "
+                       "signal.signal(signal.SIGINT, signal.default_int_handler); "
                        "runpy.run_module('localspec', run_name='__main__', alter_sys=True)")
 
 

@@ -56,8 +56,7 @@ def oracle_time(length: int, verify: list[float], drafters: list[DrafterRuns],
     best = [0.0] * (length + 1)  # best[i]: least time from position i to the end
     choice: list[tuple[str | None, int]] = [(None, 0)] * length
     for i in range(length - 1, -1, -1):
-        best[i] = verify[0] + per_pass + best[i + 1]
-        choice[i] = (None, 0)
+        best[i] = verify[0] + per_pass + best[i + 1]  # a plain step, unless a draft beats it
         for d in drafters:
             for n in range(1, min(d.runs[i], k_max) + 1):
                 t = n * d.cost_per_token + verify[n] + per_pass + best[min(i + n + 1, length)]
