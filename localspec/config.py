@@ -244,7 +244,7 @@ class LocalSpecConfig(BaseModel):
 
     adaptive_k: bool = True  # choose k each step from measured acceptance and costs
     draft_dtype: Dtype = "auto"
-    draft_confidence_threshold: Probability01 = 0.3  # stop drafting below this confidence
+    draft_confidence_threshold: Probability01 = 0.3  # end a chain below this chance kept whole
     logits_fp32: bool = True  # target's final norm and top logits in float32
     draft_vocab_size: Annotated[int, Field(ge=0)] = 0  # draft LM head cut to N ids (0 = all)
     lookup_first: bool = False  # n-gram lookup first, the draft model or head on a miss

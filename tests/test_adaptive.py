@@ -1,10 +1,18 @@
-"""Adaptive draft length: the expected-tokens formula and the choices AdaptiveK makes."""
+"""Adaptive draft length: the expected-tokens formula and the choices AdaptiveK makes; a drafter
+that ends its own chains is asked for k_max."""
 
 from __future__ import annotations
 
 import pytest
+from conftest import collect, decode, draft_drafter
+from engine_helpers import PROMPTS, request
+from transformers import PreTrainedModel
 
+import localspec.engine.engine as engine_module
 from localspec.engine.adaptive import DRAFT_MARGIN, FIRST_K, AdaptiveK, expected_tokens
+from localspec.engine.choice import DrafterChoice
+from localspec.engine.engine import SpeculativeEngine
+from localspec.runtime.runner import ModelRunner
 
 
 @pytest.mark.parametrize(
@@ -46,6 +54,52 @@ def test_drafting_that_barely_pays_is_left_off() -> None:
     assert 1.0 < barely.expected_tokens(1) / (0.05 + 0.11) * 0.1 < 1.0 + DRAFT_MARGIN
     assert barely.choose() == 0
     assert controller([1, 1, 1, 1, 0]).choose() == 1
+
+
+def test_a_drafter_that_stops_itself_is_asked_for_k_max_when_drafting_pays() -> None:
+    """The rates by position would cap a chain at one draft; a drafter that ends its own
+    chains (``stops_itself``) is asked for k_max instead, from the first step on, and still
+    rests where drafting does not pay."""
+    def controller(stops_itself: bool, accepted: int) -> AdaptiveK:
+        c = AdaptiveK(k_max=8, stops_itself=stops_itself)
+        for _ in range(30):
+            c.update(drafted=2, accepted=accepted, draft_time=2 * 0.01, verify_time=0.1)
+        return c
+
+    assert controller(False, 1).choose() == 1
+    assert controller(True, 1).choose() == 8
+    assert controller(True, 0).choose() == 0
+    assert AdaptiveK(k_max=8, stops_itself=True).choose() == 8
+
+
+def test_the_choice_asks_a_member_that_stops_itself_for_k_max() -> None:
+    """Two members with the same record: the one that ends its own chains gets k_max, the
+    other the k its rates by position give."""
+    choice = DrafterChoice(2, k_max=8, stops_itself=[False, True])
+    for estimator in choice.estimators:
+        for _ in range(30):
+            estimator.update(drafted=2, accepted=1, draft_time=2 * 0.01, verify_time=0.1)
+    assert {a.index: a.k for a in choice.order([False, False])} == {0: 1, 1: 8}
+
+
+def test_the_engine_tells_the_choice_which_members_stop_themselves(
+        monkeypatch: pytest.MonkeyPatch, target_runner: ModelRunner,
+        close_draft_model: PreTrainedModel) -> None:
+    """A draft model with a confidence threshold ends its own chains; without one it does
+    not, and adaptive k sets its length."""
+    made: list[list[bool]] = []
+
+    def recording(count: int, k_max: int, enabled: bool = True,
+                  stops_itself: list[bool] | None = None) -> DrafterChoice:
+        made.append(list(stops_itself or []))
+        return DrafterChoice(count, k_max, enabled, stops_itself or [])
+
+    monkeypatch.setattr(engine_module, "DrafterChoice", recording)
+    for threshold in (0.3, 0.0):
+        engine = SpeculativeEngine(target_runner, draft_drafter(close_draft_model, threshold),
+                                   decode, set())
+        collect(engine, request(PROMPTS["random-b"], k=4, max_new_tokens=4))
+    assert made == [[True], [False]]
 
 
 def test_disabled_always_returns_k_max() -> None:

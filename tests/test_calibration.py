@@ -47,10 +47,31 @@ def test_an_overconfident_drafter_stops_where_its_chance_is_low() -> None:
 
     def drafted(calibration: Calibration | None) -> int:
         chain = DraftChain(GREEDY, torch.Generator(), 0.3, calibration)
-        return sum(chain.pick(logits) is not None for _ in range(4))
+        for n in range(1, 5):
+            chain.pick(logits)
+            if chain.done:
+                return n
+        return 4
 
-    assert drafted(None) == 4 and drafted(Calibration()) == 4
+    # the chain's chance: 0.65, 0.42, then 0.27 < 0.3 ends it at its third guess, kept
+    assert drafted(None) == 3 and drafted(Calibration()) == 3
     assert drafted(overconfident) == 1  # the first draft is always made
+
+
+def test_a_chain_stops_on_the_chance_of_all_its_guesses() -> None:
+    """Guesses at 0.9 each: the chain's chance falls 0.9, 0.81, 0.73, 0.66, so a threshold of
+    0.7 ends it at the fourth, which is still proposed; none ends a chain that never starts."""
+    logits = torch.full((8,), -10.0)
+    logits[2] = 0.0
+    logits[5] = float(torch.log(torch.tensor(0.1 / 0.9)))
+    chain = DraftChain(GREEDY, torch.Generator(), 0.7)
+    picks = []
+    while not chain.done:
+        picks.append(chain.pick(logits))
+    assert picks == [2, 2, 2, 2]
+    assert chain.proposal().tokens == picks
+    assert chain.chance == pytest.approx(0.9**4, rel=1e-3)
+    assert not DraftChain(GREEDY, torch.Generator(), 0.7).done
 
 
 def test_the_engine_records_every_verified_chain(target_runner: ModelRunner,

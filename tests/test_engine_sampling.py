@@ -127,6 +127,20 @@ def test_sampled_first_two_tokens_match_target_distribution(stat_models: tuple) 
             assert stat < chi_square_critical(df), (model is None, stat, df)
 
 
+def test_a_chain_that_ends_itself_keeps_the_target_distribution(stat_models: tuple) -> None:
+    """A draft model that ends its chain on the chain's chance (a length set by the sampled
+    drafts' q) leaves the first two tokens distributed as under plain sampling."""
+    target, draft, p1, p2 = stat_models
+    drafter = DraftModelDrafter(ModelRunner(draft), STAT_VOCAB, STAT_VOCAB,
+                                confidence_threshold=0.5)
+    c1, c2, stats = first_two_counts(target, drafter, range(1500))
+    lengths = stats.drafted_per_position  # steps that drafted a first, second, third token
+    assert lengths[0] > lengths[1] > 0  # some chains ended before k
+    for counts, p in ((c1, p1), (c2, p2)):
+        stat, df = chi_square(counts, p)
+        assert stat < chi_square_critical(df), (stat, df)
+
+
 def test_statistical_check_has_power(stat_models: tuple, monkeypatch: pytest.MonkeyPatch
                                      ) -> None:
     """Negative control: resampling from p after a rejection (a wrong residual) fails the

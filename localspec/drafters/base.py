@@ -97,11 +97,16 @@ class Calibration:
 class DraftChain:
     """The drafts of one chain as a model-based drafter picks them, one position at a time:
     the argmax (greedy) or a draw from the drafter's distribution q, kept with its q row for
-    the verifier. Drafting stops once the chance that the drafter's best guess is accepted
-    (its confidence, through ``calibration`` when given) falls below ``confidence_threshold``
-    (never before the first draft): such a token is likely rejected and each draft step costs
-    time. Where to stop depends on q and on verdicts already given, never on this step's
-    target, so the output is exact whatever the chain's length.
+    the verifier. A later draft counts only if every one before it is kept, so what the next
+    draft pass can earn is the chance that the whole chain so far is kept: the product of its
+    guesses' chances (their confidences, through ``calibration`` when given). Once that falls
+    below ``confidence_threshold`` the chain is ``done``: the guess just picked is still
+    proposed (its pass is paid; verifying it costs one row), but no further pass is run.
+    Stopping on the last guess's chance alone ran a pass for a guess it then dropped, and let
+    a chain of even chances grow long; on the clock of ``scripts/policy_clock.py`` and over the
+    draft's teacher-forced guesses (``docs/benchmarks.md``) the chain's chance does better.
+    Where to stop depends on q and on verdicts already given, never on this step's target,
+    so the output is exact whatever the chain's length.
 
     With ``width`` > 1 on a greedy request the proposal is a static tree: the chain, plus the
     next ``width - 1`` best first guesses as its first token's siblings (taken from the first
@@ -123,13 +128,13 @@ class DraftChain:
         self.calibration = calibration
         self.width = width if params.greedy else 1
         self.tokens: list[int] = []
+        self.chance = 1.0  # that every guess so far is kept
         self._q_rows: list[torch.Tensor] = []
         self._confidences: list[float] = []
         self._siblings: list[tuple[int, float]] = []  # the other first guesses, best first
 
-    def pick(self, logits: torch.Tensor) -> int | None:
-        """The next draft from the drafter's logits [vocab_target] (or over the cut's ids), or
-        None: stop drafting."""
+    def pick(self, logits: torch.Tensor) -> int:
+        """The next draft from the drafter's logits [vocab_target] (or over the cut's ids)."""
         ids = None if self.cut is None else self.cut[0]
         if self.params.greedy:
             probs = torch.softmax(logits, dim=-1)
@@ -138,12 +143,9 @@ class DraftChain:
             probs = logits_to_probs(logits[None], self.params)[0]
             index = sample(probs, self.generator)
         token = index if ids is None else int(ids[index])
-        if self.tokens and self.confidence_threshold > 0:
-            best = float(probs.max())
-            if self.calibration is not None:
-                best = self.calibration.chance(best)
-            if best < self.confidence_threshold:
-                return None
+        confidence = float(probs[index])
+        self.chance *= (confidence if self.calibration is None
+                        else self.calibration.chance(confidence))
         if not self.tokens and self.width > 1:
             top = torch.topk(probs, min(self.width, probs.shape[-1])).indices.tolist()
             self._siblings = [(t if ids is None else int(ids[t]), float(probs[t])) for t in top
@@ -151,8 +153,14 @@ class DraftChain:
         self.tokens.append(token)
         if not self.params.greedy:  # the verifier's q row spans the whole vocabulary
             self._q_rows.append(probs if ids is None else spread_probs(probs, *self.cut))
-        self._confidences.append(float(probs[index]))
+        self._confidences.append(confidence)
         return token
+
+    @property
+    def done(self) -> bool:
+        """Whether the chain ends at its last pick: the chance that it is kept whole is below
+        ``confidence_threshold``."""
+        return self.chance < self.confidence_threshold
 
     def proposal(self, sync_time: float = 0.0) -> Proposal:
         q_draft = None if self.params.greedy else torch.stack(self._q_rows)
@@ -175,6 +183,14 @@ class Drafter(ABC):
     calibration: Calibration | None = None
     # Seconds a token of its last catch-up on the context took (``backlog``); None: not timed.
     catch_up_cost: float | None = None
+    # Where a model-based drafter ends a chain (``DraftChain``); 0: where adaptive k says.
+    confidence_threshold: float = 0.0
+
+    @property
+    def stops_itself(self) -> bool:
+        """Whether it ends each chain where the chain's chance stops paying (a model-based
+        drafter with a threshold): adaptive k then asks it for k_max whenever drafting pays."""
+        return self.confidence_threshold > 0
 
     @abstractmethod
     def reset(self) -> None:

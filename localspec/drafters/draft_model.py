@@ -8,9 +8,9 @@ catch-up (the prompt, or tokens generated while adaptive k had drafting off) goe
 its own whose time is reported as ``sync_time``: a one-off cost that must not make each draft
 token look expensive to adaptive k.
 
-Drafting stops early when the draft is unsure: once the probability of its own best guess
-falls below ``confidence_threshold`` it proposes nothing further, since such a token is likely
-rejected and each draft pass costs a sizeable fraction of a target pass on a CPU.
+Drafting stops early when the draft is unsure: once the chance that its chain so far is kept
+whole falls below ``confidence_threshold`` it runs no further pass (``DraftChain``), since each
+costs a sizeable fraction of a target pass on a CPU and earns only if the chain survives.
 Vocabularies padded to different sizes are handled by padding q to the target's vocabulary.
 """
 
@@ -133,7 +133,7 @@ class DraftModelDrafter(Drafter):
                 logits = logits.masked_fill(self._invalid, float("-inf"))
             self._seen.extend(feed)
             token = chain.pick(logits)
-            if token is None:
+            if chain.done:
                 break
             feed = [token]
         return chain.proposal(sync_time)

@@ -127,10 +127,10 @@ class EagleDrafter(Drafter):
                            width, self._cut)
         for j in range(k):
             token = chain.pick(self._logits(for_logits))
-            if token is None:
+            if chain.done or j + 1 == k:
                 break
-            if j + 1 < k:  # its own output stands in for the feature it cannot have
-                for_logits, hidden = self._step(hidden, [token], last + 1 + j, from_target=False)
+            # its own output stands in for the feature it cannot have
+            for_logits, hidden = self._step(hidden, [token], last + 1 + j, from_target=False)
         return chain.proposal(sync_time)
 
 

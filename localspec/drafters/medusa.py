@@ -89,7 +89,8 @@ class MedusaDrafter(Drafter):
         chain = DraftChain(params, generator, self.confidence_threshold, self.calibration,
                            width)
         for i in range(min(k, self.heads.num_heads)):
-            if chain.pick(self._logits(i, feature)) is None:
+            chain.pick(self._logits(i, feature))
+            if chain.done:
                 break
         return chain.proposal()
 

@@ -98,6 +98,10 @@ class AdaptiveK:
 
     k_max: int
     enabled: bool = True
+    # the drafter ends its own chains where their chance stops paying (``DraftChain``): when
+    # drafting pays it is asked for k_max, and its stop, which sees each guess's confidence,
+    # sets the length that the rates by position (blind to it) would cap
+    stops_itself: bool = False
     decay: float = 0.9
     alpha_prior: float = 0.7
     prior_weight: float = 2.0
@@ -203,14 +207,14 @@ class AdaptiveK:
         rate, so an unmeasured drafter is tried."""
         c_draft, c_verify_1 = self.draft_cost(), self.verify_cost(1)
         if c_draft is None or c_verify_1 is None:
-            return min(self.k_max, FIRST_K), float("inf")
+            return self.k_max if self.stops_itself else min(self.k_max, FIRST_K), float("inf")
         best_k, best_rate = 0, (1.0 + DRAFT_MARGIN) / c_verify_1
         for k in range(1, self.k_max + 1):
             cost = k * c_draft + (self.verify_cost(k + 1) or c_verify_1)
             rate = self.expected_tokens(k) / cost
             if rate > best_rate * 1.0001:
                 best_k, best_rate = k, rate
-        return best_k, best_rate
+        return (self.k_max if self.stops_itself and best_k else best_k), best_rate
 
     def paid(self) -> None:
         """Drafting pays again: the probe interval starts over."""

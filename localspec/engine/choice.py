@@ -54,6 +54,7 @@ had drafted.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from localspec.engine.adaptive import AdaptiveK, VerifyLine
@@ -72,15 +73,18 @@ class Attempt:
 class DrafterChoice:
     """Online estimates for each drafter; ``order`` ranks them, ``record`` learns a step."""
 
-    def __init__(self, count: int, k_max: int, enabled: bool = True) -> None:
+    def __init__(self, count: int, k_max: int, enabled: bool = True,
+                 stops_itself: Sequence[bool] = ()) -> None:
+        """``stops_itself[i]``: drafter i ends its own chains (``Drafter.stops_itself``)."""
         self.k_max = k_max if count else 0
         self.enabled = enabled
         self.verify = VerifyLine()
-        self.estimators = [AdaptiveK(k_max=self.k_max, enabled=enabled, verify=self.verify)
-                           for _ in range(count)]
+        stops = [bool(s) for s in stops_itself] + [False] * (count - len(stops_itself))
+        self.estimators = [AdaptiveK(k_max=self.k_max, enabled=enabled, verify=self.verify,
+                                     stops_itself=stops[i]) for i in range(count)]
         # each drafter's guesses made while it was sure, apart (lookup's long matches)
-        self.sure_estimators = [AdaptiveK(k_max=self.k_max, enabled=enabled,
-                                          verify=self.verify) for _ in range(count)]
+        self.sure_estimators = [AdaptiveK(k_max=self.k_max, enabled=enabled, verify=self.verify,
+                                          stops_itself=stops[i]) for i in range(count)]
         self._sure: list[bool] = [False] * count  # this step's evidence
         self._asked: list[Attempt] = []
         self._resting: list[int] = []

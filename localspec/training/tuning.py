@@ -49,7 +49,7 @@ from localspec.registry import AUTO, drafter_spec, method_names
 
 MARGIN = 0.03  # a candidate must be this much faster than the best so far to replace it
 K_CHOICES = (4, 8, 12, 16)
-THRESHOLDS = (0.1, 0.2, 0.3, 0.5)
+THRESHOLDS = (0.3, 0.5, 0.7, 0.8, 0.9)  # where a chain ends: the chance it is kept whole
 MARK = "# Made by `localspec tune"  # the first line of a preset tune wrote (it may replace it)
 
 
