@@ -6,7 +6,8 @@ rows, a prefill, a draft forward), so adaptive k and the drafter choice see the 
 every run and a policy's tokens per second is a pure function of its decisions. A policy
 variant patches one of the engine's constants (``--variants``: ``margin0`` sets
 ``adaptive.DRAFT_MARGIN`` to 0, ``probe2`` the first probe interval to 2, ``noski`` stops
-pricing a drafter's catch-up in ``DrafterChoice``; joined with ``+``).
+pricing a drafter's catch-up in ``DrafterChoice``, ``tau0.8`` sets each model-based drafter's
+``confidence_threshold`` to 0.8; joined with ``+``).
 
 Without ``--noise`` the clock has none, and noise is what ``DRAFT_MARGIN`` and the stall guards
 exist for; ``--noise SIGMA`` multiplies the cost of each step's forward (not a prefill's) by a
@@ -103,8 +104,10 @@ def _order_free(self: choice.DrafterChoice, order: Callable[..., Any], sure: lis
     return order(self, sure)
 
 
-def apply(variant: str, defaults: dict[str, Any]) -> None:
-    """Set the engine's constants to ``variant`` (from ``defaults``)."""
+def apply(variant: str, defaults: dict[str, Any]) -> float | None:
+    """Set the engine's constants to ``variant`` (from ``defaults``); return the drafters'
+    confidence threshold it asks for (None: the preset's)."""
+    threshold = None
     adaptive.DRAFT_MARGIN = defaults["margin"]
     adaptive.FIRST_PROBE_INTERVAL = defaults["probe"]
     choice.DrafterChoice.order = defaults["order"]
@@ -115,8 +118,11 @@ def apply(variant: str, defaults: dict[str, Any]) -> None:
             adaptive.FIRST_PROBE_INTERVAL = int(part.removeprefix("probe"))
         elif part == "noski":
             choice.DrafterChoice.order = partialmethod(_order_free, defaults["order"])
+        elif part.startswith("tau"):
+            threshold = float(part.removeprefix("tau"))
         elif part != "base":
             raise SystemExit(f"unknown variant part {part!r}")
+    return threshold
 
 
 def main() -> int:
@@ -154,10 +160,13 @@ def main() -> int:
                  for name, prompts in encoded.items()}
         clock.noise = args.noise
         for variant in args.variants.split(","):
-            apply(variant, defaults)
+            threshold = apply(variant, defaults)
             for method in args.methods.split(","):
                 # fresh drafters: calibration and prices learnt by an earlier run stay out
                 pipe._engines.clear()
+                for member in pipe.engine(method).members():
+                    if threshold is not None and member.confidence_threshold > 0:
+                        member.confidence_threshold = threshold
                 clock.random.seed(args.seed)
                 line, every = f"{variant:22s} {method:11s}", []
                 for name, prompts in encoded.items():

@@ -7,23 +7,30 @@ drafter the engine runs, both prefills, the engine's own time per pass from a pl
 the oracle's time against plain decoding's, each with the prompt's prefill, as ``bench`` times
 them. ``--compare`` also runs the preset's method, timed as ``bench`` does, beside it.
 
+Beside the oracle, the *blind* bound (``engine.ceiling.blind_time``): the draft's guesses kept
+independently with the chance its confidence gives (calibrated over the whole prompt set, in
+10 bins, the way the engine's ``Calibration`` learns it), known before drafting; lookup still
+an oracle. It is what a policy that reads the draft's confidence could reach, at best.
+``--prompts chat`` (or ``code``) takes the held-out prompts instead of the bench's.
+
     python3 scripts/speedup_ceiling.py --preset cpu-qwen-coder-auto --compare auto
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from collections.abc import Callable
 from functools import partial
 
 import torch
-from policy_clock import COSTS
+from policy_clock import COSTS, HELDOUT
 
 from localspec.drafters.draft_model import DraftModelDrafter
 from localspec.drafters.ngram import find_ngram_continuation
-from localspec.engine.ceiling import DrafterRuns, oracle_time, runs_from_agreement
+from localspec.engine.ceiling import DrafterRuns, blind_time, oracle_time, runs_from_agreement
 from localspec.pipeline import Pipeline
 from localspec.presets import load_preset
 from localspec.runtime.runner import ModelRunner, common_prefix
@@ -83,13 +90,27 @@ class Answer:
         logits = draft.forward(ids + answer[:-1], spread=rows is None)[len(ids) - 1:]
         if rows is not None:
             logits = logits.masked_fill(rows >= len(pipe.tokenizer), float("-inf"))
-        picks = logits.argmax(-1)
+        confidences, picks = torch.softmax(logits.float(), dim=-1).max(-1)
         guesses = (rows[picks] if rows is not None else picks).tolist()
-        self.draft_runs = runs_from_agreement([g == a for g, a in zip(guesses, answer,
-                                                                      strict=True)])
+        self.confidences = confidences.tolist()
+        self.agree = [g == a for g, a in zip(guesses, answer, strict=True)]
+        self.draft_runs = runs_from_agreement(self.agree)
         self.lookup_runs = [common_prefix(find_ngram_continuation(
             ids + answer[:i], sc.num_speculative_tokens, sc.prompt_lookup_max,
             sc.prompt_lookup_min), answer[i:]) for i in range(len(answer))]
+
+
+def calibrated(answers: list[Answer], bins: int = 10) -> list[list[float]]:
+    """Each answer's chance per position that the draft's guess is kept: the share kept among
+    all the set's guesses in the same confidence bin (as ``drafters.base.Calibration``)."""
+    kept, seen = [0] * bins, [0] * bins
+    for answer in answers:
+        for confidence, agree in zip(answer.confidences, answer.agree, strict=True):
+            b = min(int(confidence * bins), bins - 1)
+            seen[b] += 1
+            kept[b] += agree
+    return [[kept[b] / seen[b] for b in (min(int(c * bins), bins - 1)
+                                         for c in answer.confidences)] for answer in answers]
 
 
 def prefill(runner: ModelRunner, ids: list[int]) -> None:
@@ -133,13 +154,19 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=128, help="as bench's --max-new-tokens")
     parser.add_argument("--rounds", type=int, default=9, help="rounds of the cost measures")
     parser.add_argument("--compare", default=None, help="also time this method per prompt")
+    parser.add_argument("--prompts", default="bench", choices=["bench", "chat", "code"],
+                        help="the bench's prompts or a held-out set (localspec/data/heldout)")
     parser.add_argument("--clock-costs", action="store_true",
                         help="price everything by scripts/policy_clock.py's cost model instead "
                              "of measuring (its runs and this bound on the same terms)")
     args = parser.parse_args()
     pipe = Pipeline.load(load_preset(args.preset))
     target, drafter = pipe.target_runner(), draft_member(pipe)
-    prompts = load_prompts(None)
+    if args.prompts == "bench":
+        prompts = load_prompts(None)
+    else:
+        lines = (HELDOUT / f"{args.prompts}.jsonl").read_text(encoding="utf-8").splitlines()
+        prompts = [json.loads(line) for line in lines if line.strip()]
     encoded = encode_prompts(pipe, prompts, args.tokens)
     answers = [Answer(pipe, drafter, ids, args.tokens) for ids in encoded]
     longest = max(range(len(encoded)), key=lambda i: len(encoded[i]) + len(answers[i].tokens))
@@ -158,10 +185,11 @@ def main() -> int:
           f"{verify[-1] * 1e3:.1f} ms, draft token {per_token * 1e3:.1f} ms, engine per pass "
           f"{per_pass * 1e3:.1f} ms")
     print(f"{'#':>2s} {'category':16s} {'tokens':>6s} {'plain s':>8s} {'ceiling s':>9s} "
-          f"{'ceiling':>8s} {'passes':>6s} {'by draft':>8s} {'by lookup':>9s}"
+          f"{'ceiling':>8s} {'blind':>7s} {'passes':>6s} {'by draft':>8s} {'by lookup':>9s}"
           + (f" {args.compare + ', run':>11s}" if args.compare else ""))
-    ceilings = []
-    for n, (row, ids, answer) in enumerate(zip(prompts, encoded, answers, strict=True), 1):
+    ceilings, blinds = [], []
+    for n, (row, ids, answer, chances) in enumerate(zip(prompts, encoded, answers,
+                                                        calibrated(answers), strict=True), 1):
         if args.clock_costs:
             prefills = {"target": c["prefill_row"] * len(ids),
                         "draft": c["draft"] + c["draft_row"] * (len(ids) - 1)}
@@ -180,15 +208,22 @@ def main() -> int:
                             (lookup_only, lookup_only.seconds), key=lambda pair: pair[1])
         ceiling_time = prefills["target"] + spent
         ceilings.append(plain_time / ceiling_time)
+        lookup = DrafterRuns("lookup", answer.lookup_runs, 0.0)
+        blind = min(blind_time(verify, chances, per_token, per_pass, lookup) + prefills["draft"],
+                    lookup_only.seconds)
+        blinds.append(plain_time / (prefills["target"] + blind))
         kept = {name: sum(k for d, k in oracle.steps if d == name) for name in ("draft", "lookup")}
         line = (f"{n:2d} {row['category']:16s} {tokens:6d} {plain_time:8.2f} {ceiling_time:9.2f} "
-                f"{ceilings[-1]:7.2f}x {oracle.passes:6d} {kept['draft']:8d} {kept['lookup']:9d}")
+                f"{ceilings[-1]:7.2f}x {blinds[-1]:6.2f}x {oracle.passes:6d} {kept['draft']:8d} "
+                f"{kept['lookup']:9d}")
         if args.compare:
             run = pipe.run(pipe.request(ids, max_new_tokens=args.tokens, temperature=0.0),
                            args.compare)
             line += f" {run.stats.tokens_per_second / answer.plain_speed:10.2f}x"
         print(line, flush=True)
-    print(f"median over the set: {statistics.median(ceilings):.2f}x")
+    print(f"median over the set: ceiling {statistics.median(ceilings):.2f}x, blind "
+          f"{statistics.median(blinds):.2f}x; mean: {statistics.mean(ceilings):.2f}x, "
+          f"{statistics.mean(blinds):.2f}x")
     return 0
 
 

@@ -1,10 +1,12 @@
-"""The oracle's bound on what chain drafting can give (``engine.ceiling``), on hand-worked cases."""
+"""The bounds on what chain drafting can give (``engine.ceiling``), on hand-worked cases."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from localspec.engine.ceiling import DrafterRuns, oracle_time, runs_from_agreement
+from localspec.engine.ceiling import DrafterRuns, blind_time, oracle_time, runs_from_agreement
 
 
 def test_runs_count_agreements_up_to_the_first_miss() -> None:
@@ -58,3 +60,41 @@ def test_bad_shapes_are_refused() -> None:
         oracle_time(2, [], [])
     with pytest.raises(ValueError, match="3 runs for an answer of 2"):
         oracle_time(2, [1.0], [DrafterRuns("d", [0, 0, 0], 0.1)])
+
+
+def test_blind_with_certain_verdicts_is_the_oracle() -> None:
+    """Chances of 0 or 1 are verdicts known in advance: the blind policy is the oracle."""
+    rng = random.Random(7)
+    verify = [1.0, 1.1, 1.25, 1.4, 1.6]
+    for _ in range(20):
+        agree = [rng.random() < 0.7 for _ in range(30)]
+        runs = DrafterRuns("draft", runs_from_agreement(agree), 0.3)
+        lookup = DrafterRuns("lookup", runs_from_agreement([rng.random() < 0.3
+                                                            for _ in range(30)]), 0.0)
+        expected = oracle_time(30, verify, [runs, lookup], per_pass=0.1).seconds
+        chances = [float(a) for a in agree]
+        assert blind_time(verify, chances, 0.3, 0.1, lookup) == pytest.approx(expected)
+
+
+def test_blind_prices_a_coin_flip() -> None:
+    """Two tokens, the first guess kept half the time at 0.1 a draft: drafting it costs
+    0.1 + 1.2 and leaves the last token to a plain pass (1.0) half the time: 1.8 < 2.0."""
+    assert blind_time([1.0, 1.2], [0.5, 0.5], 0.1) == pytest.approx(1.8)
+    assert blind_time([1.0, 1.2], [0.5, 0.5], 0.4) == pytest.approx(2.0)  # 2.1 would lose
+
+
+def test_uncertainty_costs_against_the_oracle() -> None:
+    """Guesses kept 70% of the time: knowing which ones is worth something."""
+    rng = random.Random(3)
+    agree = [rng.random() < 0.7 for _ in range(200)]
+    verify = [1.0, 1.05, 1.1, 1.15, 1.2]
+    oracle = oracle_time(200, verify, [DrafterRuns("d", runs_from_agreement(agree), 0.3)])
+    blind = blind_time(verify, [0.7] * 200, 0.3)
+    assert oracle.seconds < blind < 200.0
+
+
+def test_blind_refuses_bad_shapes() -> None:
+    with pytest.raises(ValueError, match="one-row pass"):
+        blind_time([], [0.5], 0.1)
+    with pytest.raises(ValueError, match="3 runs for 2 chances"):
+        blind_time([1.0], [0.5, 0.5], 0.1, lookup=DrafterRuns("l", [0, 0, 0], 0.0))

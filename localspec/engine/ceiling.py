@@ -13,6 +13,14 @@ Costs are what the caller measured on this machine: a target pass over n rows
 left out favours the oracle (a drafter's catch-up after resting, wasted drafts, thresholds),
 so the result bounds from above what chain drafting with these drafters can give: no policy
 (adaptive k, drafter choice) can beat it.
+
+The oracle's edge is foresight: it knows where the draft's runs start. A policy sees the draft's
+confidence in each guess, not the verdict. ``blind_time`` prices that: the draft's guess at
+position i is kept with a chance known in advance (its calibrated confidence there, given to
+the policy before drafting, which no policy has), independently of the others (on the chat
+answers measured here a guess is kept as often after a kept guess as after a miss, at each
+confidence), and lookup stays an oracle. The least *expected* time under that model is what a
+policy that reads the draft's confidence could reach, at best.
 """
 
 from __future__ import annotations
@@ -67,6 +75,34 @@ def oracle_time(length: int, verify: list[float], drafters: list[DrafterRuns],
         steps.append(choice[i])
         i += choice[i][1] + 1
     return Ceiling(best[0], steps)
+
+
+def blind_time(verify: list[float], chances: list[float], cost_per_token: float,
+               per_pass: float = 0.0, lookup: DrafterRuns | None = None) -> float:
+    """The least expected time to decode ``len(chances)`` answer tokens when each pass is a
+    plain step, an oracle's lookup draft (``lookup``'s runs, as ``oracle_time``), or k draft
+    tokens, each kept with ``chances[i]`` at answer position i, independently, and the pass
+    keeping the longest kept prefix plus the target's token; k is chosen knowing every chance
+    but no verdict."""
+    if not verify:
+        raise ValueError("verify needs the cost of a one-row pass at least")
+    length, k_max = len(chances), len(verify) - 1
+    if lookup is not None and len(lookup.runs) != length:
+        raise ValueError(f"{lookup.name}: {len(lookup.runs)} runs for {length} chances")
+    best = [0.0] * (length + 1)
+    for i in range(length - 1, -1, -1):
+        after = [best[min(j, length)] for j in range(i + 1, i + k_max + 2)]
+        best[i] = verify[0] + per_pass + after[0]
+        for n in range(1, min(lookup.runs[i] if lookup else 0, k_max) + 1):
+            best[i] = min(best[i], n * lookup.cost_per_token + verify[n] + per_pass + after[n])
+        survive, expected = 1.0, 0.0  # P(the first m drafts kept), E[time after the pass]
+        for k in range(1, k_max + 1):
+            chance = chances[i + k - 1] if i + k - 1 < length else 0.0
+            expected += survive * (1.0 - chance) * after[k - 1]
+            survive *= chance
+            cost = k * cost_per_token + verify[k] + per_pass + expected + survive * after[k]
+            best[i] = min(best[i], cost)
+    return best[0]
 
 
 def runs_from_agreement(agree: list[bool]) -> list[int]:
