@@ -102,9 +102,9 @@ class DraftChain:
     guesses' chances (their confidences, through ``calibration`` when given). Once that falls
     below ``confidence_threshold`` the chain is ``done``: the guess just picked is still
     proposed (its pass is paid; verifying it costs one row), but no further pass is run.
-    Stopping on the last guess's chance alone ran a pass for a guess it then dropped, and let
-    a chain of even chances grow long; on the clock of ``scripts/policy_clock.py`` and over the
-    draft's teacher-forced guesses (``docs/benchmarks.md``) the chain's chance does better.
+    Stopping on each guess's own chance would pay a pass for a guess it then drops and let a
+    chain of even chances grow long; the chain's chance does better on the virtual clock of
+    ``scripts/policy_clock.py`` and over the draft's teacher-forced guesses (docs/benchmarks.md).
     Where to stop depends on q and on verdicts already given, never on this step's target,
     so the output is exact whatever the chain's length.
 

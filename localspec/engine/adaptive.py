@@ -201,10 +201,12 @@ class AdaptiveK:
 
     def plan(self) -> tuple[int, float]:
         """(k, expected tokens per second) of the best draft, without changing any state;
-        k = 0 when no draft beats plain decoding by DRAFT_MARGIN. Before this drafter's cost or
-        a verify pass is measured: a moderate first draft (the first tokens of a reply are the
-        least predictable; 12 wrong guesses of a draft model cost ~0.5 s here) at an infinite
-        rate, so an unmeasured drafter is tried."""
+        k = 0 when no draft beats plain decoding by DRAFT_MARGIN; k_max instead of any other k
+        for a drafter that ``stops_itself``. Before this drafter's cost or a verify pass is
+        measured: a moderate first draft (the first tokens of a reply are the least
+        predictable; 12 wrong guesses of a draft model cost ~0.5 s here), or k_max for a drafter
+        whose own stop reads each guess's confidence, at an infinite rate, so an unmeasured
+        drafter is tried."""
         c_draft, c_verify_1 = self.draft_cost(), self.verify_cost(1)
         if c_draft is None or c_verify_1 is None:
             return self.k_max if self.stops_itself else min(self.k_max, FIRST_K), float("inf")

@@ -79,7 +79,7 @@ class DrafterChoice:
         self.k_max = k_max if count else 0
         self.enabled = enabled
         self.verify = VerifyLine()
-        stops = [bool(s) for s in stops_itself] + [False] * (count - len(stops_itself))
+        stops = list(stops_itself) + [False] * (count - len(stops_itself))
         self.estimators = [AdaptiveK(k_max=self.k_max, enabled=enabled, verify=self.verify,
                                      stops_itself=stops[i]) for i in range(count)]
         # each drafter's guesses made while it was sure, apart (lookup's long matches)
