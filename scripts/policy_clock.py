@@ -7,7 +7,9 @@ every run and a policy's tokens per second is a pure function of its decisions. 
 variant patches one of the engine's constants (``--variants``: ``margin0`` sets
 ``adaptive.DRAFT_MARGIN`` to 0, ``probe2`` the first probe interval to 2, ``noski`` stops
 pricing a drafter's catch-up in ``DrafterChoice``, ``tau0.8`` sets each model-based drafter's
-``confidence_threshold`` to 0.8; joined with ``+``).
+``confidence_threshold`` to 0.8, ``pw4`` weighs a drafter's kept share over earlier requests as 4
+steps of this answer's (``choice.LEARNT_PRIOR_WEIGHT``), ``nolearnt`` leaves that prior out;
+joined with ``+``).
 
 Without ``--noise`` the clock has none, and noise is what ``DRAFT_MARGIN`` and the stall guards
 exist for; ``--noise SIGMA`` multiplies the cost of each step's forward (not a prefill's) by a
@@ -34,6 +36,7 @@ import localspec.drafters.draft_model as draft_model
 import localspec.engine.adaptive as adaptive
 import localspec.engine.choice as choice
 import localspec.engine.engine as engine
+from localspec.drafters.base import Calibration
 from localspec.pipeline import Pipeline
 from localspec.presets import load_preset
 from localspec.runtime.runner import ModelRunner
@@ -111,6 +114,8 @@ def apply(variant: str, defaults: dict[str, Any]) -> float | None:
     adaptive.DRAFT_MARGIN = defaults["margin"]
     adaptive.FIRST_PROBE_INTERVAL = defaults["probe"]
     choice.DrafterChoice.order = defaults["order"]
+    choice.LEARNT_PRIOR_WEIGHT = defaults["weight"]
+    Calibration.kept_share = defaults["share"]
     for part in variant.split("+"):
         if part.startswith("margin"):
             adaptive.DRAFT_MARGIN = float(part.removeprefix("margin"))
@@ -118,6 +123,10 @@ def apply(variant: str, defaults: dict[str, Any]) -> float | None:
             adaptive.FIRST_PROBE_INTERVAL = int(part.removeprefix("probe"))
         elif part == "noski":
             choice.DrafterChoice.order = partialmethod(_order_free, defaults["order"])
+        elif part.startswith("pw"):
+            choice.LEARNT_PRIOR_WEIGHT = float(part.removeprefix("pw"))
+        elif part == "nolearnt":
+            Calibration.kept_share = lambda self: None
         elif part.startswith("tau"):
             threshold = float(part.removeprefix("tau"))
         elif part != "base":
@@ -147,7 +156,8 @@ def main() -> int:
         sets[f"held-out {name}"] = [json.loads(line) for line in lines if line.strip()]
     encoded = {name: encode_prompts(pipe, rows, args.tokens) for name, rows in sets.items()}
     defaults = {"margin": adaptive.DRAFT_MARGIN, "probe": adaptive.FIRST_PROBE_INTERVAL,
-                "order": choice.DrafterChoice.order}
+                "order": choice.DrafterChoice.order,
+                "weight": choice.LEARNT_PRIOR_WEIGHT, "share": Calibration.kept_share}
     undo = clock.install()
 
     def clocked(ids: list[int], method: str) -> float:

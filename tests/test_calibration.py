@@ -37,6 +37,18 @@ def test_a_chain_counts_up_to_its_first_rejection() -> None:
     assert calibration.drafted[9] == 3 and calibration.accepted[9] == 2
 
 
+def test_the_kept_share_speaks_once_enough_guesses_were_judged() -> None:
+    """Every judged guess counts, in any bin; before ``LEARNT`` of them there is no share."""
+    calibration = Calibration()
+    for i in range(Calibration.LEARNT - 1):
+        calibration.record((0.35 if i % 2 else 0.85,), accepted=int(i % 3 == 0))
+    assert calibration.kept_share() is None
+    calibration.record((0.55, 0.9), accepted=0)  # the second guess is never judged
+    judged = Calibration.LEARNT
+    assert calibration.kept_share() == pytest.approx(
+        sum(1 for i in range(judged - 1) if i % 3 == 0) / judged)
+
+
 def test_an_overconfident_drafter_stops_where_its_chance_is_low() -> None:
     logits = torch.full((8,), -10.0)
     logits[3] = 0.0

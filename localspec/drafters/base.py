@@ -72,6 +72,7 @@ class Calibration:
 
     BINS = 10
     PRIOR = 8.0
+    LEARNT = 32  # judged guesses before ``kept_share`` speaks
 
     def __init__(self) -> None:
         self.drafted = [0] * self.BINS
@@ -84,6 +85,13 @@ class Calibration:
         """The chance that a guess made with ``confidence`` is accepted."""
         b = self._bin(confidence)
         return (self.accepted[b] + self.PRIOR * confidence) / (self.drafted[b] + self.PRIOR)
+
+    def kept_share(self) -> float | None:
+        """The share of all judged guesses that were kept, over every request so far; None
+        before ``LEARNT`` guesses were judged. What one answer's first few verdicts should be
+        weighed against (``AdaptiveK.alpha_prior``)."""
+        judged = sum(self.drafted)
+        return sum(self.accepted) / judged if judged >= self.LEARNT else None
 
     def record(self, confidences: tuple[float, ...], accepted: int) -> None:
         """One verified chain: its first ``accepted`` guesses kept, the next one rejected (the

@@ -9,7 +9,11 @@ either wrong at once or right for a long run), and a single alpha would keep k s
 when long drafts pay. We estimate
   * r_j as (accepted past j) / (steps that tested position j), with exponential forgetting,
     shrunk towards alpha = accepted / (accepted + rejections) (the geometric MLE) where a
-    position has little data;
+    position has little data, and alpha towards a prior: the share of the drafter's guesses
+    kept over earlier requests where its ``Calibration`` has judged enough of them (weighing
+    LEARNT_PRIOR_WEIGHT steps), else 0.7 (weighing 2). A chat reply's first guesses are its
+    least predictable; with the weak prior alone one early miss kept a draft model resting
+    through replies where it would have been kept two times in three (docs/benchmarks.md);
   * c_draft from measured draft time per drafted token;
   * c_verify(n) = a + b * n from measured verify times, by least squares with forgetting (one
     line through all widths: a price per width measured alone drafts more on chat, where
@@ -46,6 +50,9 @@ FIRST_K = 4  # drafts of the first step, before anything is measured
 # that merely breaks even loses to plain once its errors are paid (a chat reply at 50%
 # acceptance drafted one token every few steps and ran at 0.93x plain).
 DRAFT_MARGIN = 0.05
+# The weight, in steps, of a drafter's kept share over earlier requests (``Calibration``) as
+# the prior of its acceptance in this answer; without one, ``alpha_prior`` weighs 2 steps.
+LEARNT_PRIOR_WEIGHT = 6.0
 
 
 def expected_tokens(alpha: float, k: int) -> float:

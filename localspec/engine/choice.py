@@ -57,7 +57,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from localspec.engine.adaptive import AdaptiveK, VerifyLine
+from localspec.engine.adaptive import LEARNT_PRIOR_WEIGHT, AdaptiveK, VerifyLine
 
 
 @dataclass(frozen=True)
@@ -74,17 +74,28 @@ class DrafterChoice:
     """Online estimates for each drafter; ``order`` ranks them, ``record`` learns a step."""
 
     def __init__(self, count: int, k_max: int, enabled: bool = True,
-                 stops_itself: Sequence[bool] = ()) -> None:
-        """``stops_itself[i]``: drafter i ends its own chains (``Drafter.stops_itself``)."""
+                 stops_itself: Sequence[bool] = (),
+                 kept_shares: Sequence[float | None] = ()) -> None:
+        """``stops_itself[i]``: drafter i ends its own chains (``Drafter.stops_itself``);
+        ``kept_shares[i]``: the share of its guesses kept over earlier requests
+        (``Calibration.kept_share``), None where unknown."""
         self.k_max = k_max if count else 0
         self.enabled = enabled
         self.verify = VerifyLine()
         stops = list(stops_itself) + [False] * (count - len(stops_itself))
-        self.estimators = [AdaptiveK(k_max=self.k_max, enabled=enabled, verify=self.verify,
-                                     stops_itself=stops[i]) for i in range(count)]
+        shares = list(kept_shares) + [None] * (count - len(kept_shares))
+
+        def estimator(i: int) -> AdaptiveK:
+            if shares[i] is None:
+                return AdaptiveK(k_max=self.k_max, enabled=enabled, verify=self.verify,
+                                 stops_itself=stops[i])
+            return AdaptiveK(k_max=self.k_max, enabled=enabled, verify=self.verify,
+                             stops_itself=stops[i], alpha_prior=shares[i],
+                             prior_weight=LEARNT_PRIOR_WEIGHT)
+
+        self.estimators = [estimator(i) for i in range(count)]
         # each drafter's guesses made while it was sure, apart (lookup's long matches)
-        self.sure_estimators = [AdaptiveK(k_max=self.k_max, enabled=enabled, verify=self.verify,
-                                          stops_itself=stops[i]) for i in range(count)]
+        self.sure_estimators = [estimator(i) for i in range(count)]
         self._sure: list[bool] = [False] * count  # this step's evidence
         self._asked: list[Attempt] = []
         self._resting: list[int] = []

@@ -194,7 +194,9 @@ class SpeculativeEngine:
             self.drafter.reset()
         members = self.members()
         choice = DrafterChoice(len(members), request.num_speculative_tokens, request.adaptive,
-                               [member.stops_itself for member in members])
+                               [member.stops_itself for member in members],
+                               [None if member.calibration is None
+                                else member.calibration.kept_share() for member in members])
         # what free drafters would have drafted, where the output alone says what was kept
         shadows = Shadows() if params.greedy and len(members) > 1 else None
         width = request.tree_width if params.greedy and self.target.supports_trees else 1
