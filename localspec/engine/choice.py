@@ -86,12 +86,11 @@ class DrafterChoice:
         shares = list(kept_shares) + [None] * (count - len(kept_shares))
 
         def estimator(i: int) -> AdaptiveK:
-            if shares[i] is None:
-                return AdaptiveK(k_max=self.k_max, enabled=enabled, verify=self.verify,
-                                 stops_itself=stops[i])
+            share = shares[i]
+            prior = {} if share is None else {"alpha_prior": share,
+                                              "prior_weight": LEARNT_PRIOR_WEIGHT}
             return AdaptiveK(k_max=self.k_max, enabled=enabled, verify=self.verify,
-                             stops_itself=stops[i], alpha_prior=shares[i],
-                             prior_weight=LEARNT_PRIOR_WEIGHT)
+                             stops_itself=stops[i], **prior)
 
         self.estimators = [estimator(i) for i in range(count)]
         # each drafter's guesses made while it was sure, apart (lookup's long matches)
