@@ -113,50 +113,46 @@ def test_a_learnt_kept_share_outweighs_an_answers_first_miss() -> None:
     assert answer_start(choice(0.7), [1, 0, 0, 0]) == [8, 8, 8, 0]
 
 
-def test_the_engine_tells_the_choice_which_members_stop_themselves(
-        monkeypatch: pytest.MonkeyPatch, target_runner: ModelRunner,
-        close_draft_model: PreTrainedModel) -> None:
-    """A draft model with a confidence threshold ends its own chains; without one it does
-    not, and adaptive k sets its length."""
-    made: list[list[bool]] = []
-    shares: list[list[float | None]] = []
+@pytest.fixture
+def choices_made(monkeypatch: pytest.MonkeyPatch
+                 ) -> list[tuple[list[bool], list[float | None]]]:
+    """What the engine gives each ``DrafterChoice`` it makes: its members' stop flags and
+    kept shares, one pair per request."""
+    made: list[tuple[list[bool], list[float | None]]] = []
 
     def recording(count: int, k_max: int, enabled: bool = True,
                   stops_itself: list[bool] | None = None,
                   kept_shares: list[float | None] | None = None) -> DrafterChoice:
-        made.append(list(stops_itself or []))
-        shares.append(list(kept_shares or []))
+        made.append((list(stops_itself or []), list(kept_shares or [])))
         return DrafterChoice(count, k_max, enabled, stops_itself or [], kept_shares or [])
 
     monkeypatch.setattr(engine_module, "DrafterChoice", recording)
+    return made
+
+
+def test_the_engine_tells_the_choice_which_members_stop_themselves(
+        choices_made: list[tuple[list[bool], list[float | None]]],
+        target_runner: ModelRunner, close_draft_model: PreTrainedModel) -> None:
+    """A draft model with a confidence threshold ends its own chains; without one it does
+    not, and adaptive k sets its length. A new drafter has judged nothing yet: no share."""
     for threshold in (0.3, 0.0):
         engine = SpeculativeEngine(target_runner, draft_drafter(close_draft_model, threshold),
                                    decode, set())
         collect(engine, request(PROMPTS["random-b"], k=4, max_new_tokens=4))
-    assert made == [[True], [False]]
-    assert shares == [[None], [None]]  # a new drafter has judged nothing yet
+    assert choices_made == [([True], [None]), ([False], [None])]
 
 
 def test_the_engine_gives_the_choice_each_drafters_kept_share(
-        monkeypatch: pytest.MonkeyPatch, target_runner: ModelRunner,
-        close_draft_model: PreTrainedModel) -> None:
+        choices_made: list[tuple[list[bool], list[float | None]]],
+        target_runner: ModelRunner, close_draft_model: PreTrainedModel) -> None:
     """Once a drafter's calibration has judged enough guesses, the next request's choice
     starts from the share it kept."""
-    shares: list[float | None] = []
-
-    def recording(count: int, k_max: int, enabled: bool = True,
-                  stops_itself: list[bool] | None = None,
-                  kept_shares: list[float | None] | None = None) -> DrafterChoice:
-        shares.extend(kept_shares or [])
-        return DrafterChoice(count, k_max, enabled, stops_itself or [], kept_shares or [])
-
-    monkeypatch.setattr(engine_module, "DrafterChoice", recording)
     drafter = draft_drafter(close_draft_model, 0.3)
     for i in range(Calibration.LEARNT):  # earlier requests: 3 guesses in 4 kept
         drafter.calibration.record((0.6,), accepted=int(i % 4 != 0))
     engine = SpeculativeEngine(target_runner, drafter, decode, set())
     collect(engine, request(PROMPTS["random-b"], k=4, max_new_tokens=4))
-    assert shares == [pytest.approx(0.75)]
+    assert [shares for _, shares in choices_made] == [[pytest.approx(0.75)]]
 
 
 def test_disabled_always_returns_k_max() -> None:
