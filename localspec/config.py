@@ -52,8 +52,8 @@ def _registered_method(value: str) -> str:
 Method = Annotated[str, AfterValidator(_registered_method)]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Literal["auto", "cpu", "cuda"]
-QuantizationName = Literal["none", "w4a8", "requant-q4k", "w8a8", "int8-weight-only",
-                           "bnb-4bit", "bnb-8bit"]
+QuantizationName = Literal["none", "w4a8", "requant-q4k", "requant-q3m", "w8a8",
+                           "int8-weight-only", "bnb-4bit", "bnb-8bit"]
 HardwareClass = Literal["cpu", "gpu-8gb", "gpu-12gb", "gpu-16gb", "gpu-24gb", "h100-80gb"]
 
 DTYPES: tuple[str, ...] = get_args(Dtype)
@@ -64,8 +64,9 @@ Quantization = Annotated[QuantizationName, BeforeValidator(
     lambda value: RENAMED_QUANTIZATIONS.get(value, value) if isinstance(value, str) else value)]
 # Served by the CPU forward (runtime.decoder): "w8a8" int8 weights, per-token int8 activations;
 # "w4a8" a GGUF's matrices of NATIVE_GGUF_TYPES as stored (others w8a8); "requant-q4k" every
-# layer matrix requantized to Q4_K (lossy against the file: for drafts, which only guess).
-CPU_QUANTIZATIONS: tuple[str, ...] = ("w8a8", "w4a8", "requant-q4k")
+# layer matrix requantized to Q4_K, "requant-q3m" to 3 bits (Q3_M, a fifth fewer bytes than
+# Q4_K): lossy against the file, for drafts, which only guess.
+CPU_QUANTIZATIONS: tuple[str, ...] = ("w8a8", "w4a8", "requant-q4k", "requant-q3m")
 HARDWARE: tuple[str, ...] = get_args(HardwareClass)
 HARDWARE_LABELS = {"cpu": "CPU", "gpu-8gb": "GPU 8 GB", "gpu-12gb": "GPU 12 GB",
                    "gpu-16gb": "GPU 16 GB", "gpu-24gb": "GPU 24 GB", "h100-80gb": "H100 80 GB"}

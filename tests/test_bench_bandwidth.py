@@ -29,11 +29,13 @@ def test_every_type_is_timed_and_its_bytes_counted(small: None) -> None:
     rows = {line.split(" | ")[0].strip("| "): line for line in table.splitlines()
             if line.startswith("| Q")}
     assert sorted(rows) == sorted(bench_bandwidth.TYPES)
-    # bytes a weight, packed: Q4_K 4.5 (+ the per-group scales kept as bytes and floats), Q8_0 8.5
+    # bits a weight, packed: Q4_K 4.5 (+ the per-group scales kept as bytes and floats), Q8_0 8.5
     q4 = bench_bandwidth.measure_type("Q4_K", repeats=1)
     q8 = bench_bandwidth.measure_type("Q8_0", repeats=1)
+    q3 = bench_bandwidth.measure_type("Q3_M", repeats=1)
     weights = 2 * (64 * 256 + 32 * 512)
     assert 4.5 <= 8 * q4.nbytes / weights < 6.5 and 8.5 <= 8 * q8.nbytes / weights < 10
+    assert 8 * q3.nbytes / weights == 8 * q4.nbytes / weights - 1  # a bit a weight fewer
     assert all(s > 0 for s in q4.seconds.values())
     assert re.search(r"\| Q6_K \| \d+ \| [\d.]+ ms \| [\d.]+ \| \d+% \|", table)
 

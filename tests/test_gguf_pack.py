@@ -55,7 +55,7 @@ def llama_q4k(tmp_path_factory: pytest.TempPathFactory) -> Path:
                       types={"attn_q": "Q4_K", "attn_k": "Q4_K", "ffn_down": "Q6_K"})
 
 
-@pytest.mark.parametrize("kind", ["w4a8", "requant-q4k", "w8a8"])
+@pytest.mark.parametrize("kind", ["w4a8", "requant-q4k", "requant-q3m", "w8a8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_llama_pack_from_gguf_is_the_pack_from_the_converted_model(
         llama_q4k: Path, kind: str, dtype: torch.dtype, tmp_path: Path,

@@ -1,6 +1,7 @@
 """The native products over a GGUF's Q5_K, Q8_0 and Q4_0 matrices (``q5k_linear``,
-``q8_0_linear``, ``q4_0_linear``), their weight formats (``kquant_formats``, ``q32_formats``)
-and their place in the w4a8 forward beside Q4_K and Q6_K.
+``q8_0_linear``, ``q4_0_linear``) and over LocalSpec's 3-bit Q3_M (``q3m_linear``), their
+weight formats (``kquant_formats``, ``q32_formats``) and their place in the forward beside Q4_K
+and Q6_K.
 
 The same promises as test_kernels.py makes for Q4_K: the formats read a file's bytes exactly as
 gguf-py does; the product is the documented one (activations quantized to int8 per group of 32
@@ -33,23 +34,28 @@ from localspec.config import NATIVE_GGUF_TYPES
 from localspec.models.gguf_kquants import PARSERS
 from localspec.runtime.decoder import CpuDecoder
 from localspec.runtime.kernels import (
+    Q3MWeights,
     Q4_0Weights,
     Q5KWeights,
     Q8_0Weights,
     cat_rows,
+    pack_q3m,
     pack_q4_0,
     pack_q5k,
     pack_q8_0,
     parse_q4_0,
     parse_q5k,
     parse_q8_0,
+    quantize_q3m,
     quantize_q4_0,
     quantize_q4k,
     quantize_q5k,
     quantize_q6k,
     quantize_q8_0,
 )
+from localspec.runtime.kernels.kquant_formats import _quantize_k
 from localspec.runtime.quant import (
+    Q3MLinear,
     Q4_0Linear,
     Q4KLinear,
     Q5KLinear,
@@ -59,8 +65,9 @@ from localspec.runtime.quant import (
 from localspec.runtime.runner import ModelRunner
 from localspec.runtime.weight_formats import export_weights
 
-# type -> (its layer, its quantizer, its parser, the largest q, q's dtype)
+# type -> (its layer, its quantizer, its parser (None: no GGUF type), the largest q, q's dtype)
 TYPES = {"Q5_K": (Q5KLinear, quantize_q5k, parse_q5k, 31, torch.uint8),
+         "Q3_M": (Q3MLinear, quantize_q3m, None, 7, torch.uint8),
          "Q8_0": (Q8_0Linear, quantize_q8_0, parse_q8_0, 127, torch.int8),
          "Q4_0": (Q4_0Linear, quantize_q4_0, parse_q4_0, 15, torch.uint8)}
 
@@ -90,7 +97,20 @@ def test_quantizers_round_trip_within_their_bits(kind: str, n: int, k: int) -> N
     assert q.q.shape == (n, k) and q.q.dtype == dtype and int(q.q.abs().max()) <= top
     assert torch.equal(q.d, q.d.half().float())
     error = (q.dequantize() - w).pow(2).mean().sqrt() / w.pow(2).mean().sqrt()
-    assert float(error) < {"Q5_K": 0.05, "Q8_0": 0.01, "Q4_0": 0.1}[kind], float(error)
+    assert float(error) < {"Q5_K": 0.05, "Q8_0": 0.01, "Q4_0": 0.1, "Q3_M": 0.2}[kind], \
+        float(error)
+
+
+def test_q3m_fits_each_group_closer_than_its_span() -> None:
+    """Q3_M's fitted scales and lows (``quantize_q3m``) against Q4_K's rule at 3 bits (the
+    group's min to max on the grid): a fifth less error, the reason for the fit; q's third
+    bit is used (a packing that dropped it would leave q <= 3)."""
+    w = random_weights(64, 896, seed=50)
+    fitted = quantize_q3m(w)
+    spanned = Q3MWeights(*_quantize_k(w, 7, "Q3_M"))
+    errors = [float((q.dequantize() - w).norm() / w.norm()) for q in (fitted, spanned)]
+    assert errors[0] < 0.9 * errors[1], errors
+    assert int(fitted.q.max()) == 7 and int(fitted.sc.max()) > 63  # 8-bit scales in use
 
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_0"])
@@ -141,6 +161,11 @@ def test_parse_and_pack_refuse_wrong_shapes() -> None:
         pack_q8_0(Q8_0Weights(q8.q[:8], q8.d[:8]))
     with pytest.raises(ValueError, match="rows % 16"):
         pack_q4_0(Q4_0Weights(q4.q[:8], q4.d[:8]))
+    q3 = quantize_q3m(random_weights(16, 256, seed=43))
+    with pytest.raises(ValueError, match="rows % 16"):
+        pack_q3m(Q3MWeights(q3.q[:8], q3.sc[:8], q3.mn[:8], q3.d[:8], q3.dmin[:8]))
+    with pytest.raises(ValueError, match="divisible by 32"):
+        quantize_q3m(random_weights(16, 48, seed=43))
 
 
 # ----------------------------------------------------------------------------- the products
@@ -217,7 +242,7 @@ def test_cat_equals_the_parts_bit_for_bit(lib: ctypes.CDLL, kind: str) -> None:
 
 
 def test_w4a8_serves_every_type_in_one_native_stack(lib: ctypes.CDLL) -> None:
-    """A tiny model whose matrices are exactly Q8_0, Q4_0, Q5_K, Q4_K and Q6_K (fused
+    """A tiny model whose matrices are exactly Q8_0, Q4_0, Q5_K, Q4_K, Q6_K and Q3_M (fused
     projections mixing them, as Q5_K_M files mix Q5_K and Q6_K): w4a8 serves each in its own
     kernel, the whole stack in one native call (decoder_forward dispatches every kind); a pass
     equals one-token steps bit for bit, and the model stays close to float."""
@@ -229,7 +254,7 @@ def test_w4a8_serves_every_type_in_one_native_stack(lib: ctypes.CDLL) -> None:
     kinds = {"self_attn.q_proj": (quantize_q8_0, Q8_0Linear),
              "self_attn.k_proj": (quantize_q4_0, Q4_0Linear),
              "self_attn.v_proj": (quantize_q5k, Q5KLinear),
-             "self_attn.o_proj": (quantize_q8_0, Q8_0Linear),
+             "self_attn.o_proj": (quantize_q3m, Q3MLinear),
              "mlp.gate_proj": (quantize_q5k, Q5KLinear), "mlp.up_proj": (quantize_q4k, Q4KLinear),
              "mlp.down_proj": (quantize_q6k, Q6KLinear)}
     mapping = {}
@@ -248,7 +273,7 @@ def test_w4a8_serves_every_type_in_one_native_stack(lib: ctypes.CDLL) -> None:
     for layer in decoder.layers:
         assert [type(p) for p in layer.qkv.parts] == [Q8_0Linear, Q4_0Linear, Q5KLinear]
         assert [type(p) for p in layer.gate_up.parts] == [Q5KLinear, Q4KLinear]
-        assert type(layer.o) is Q8_0Linear and type(layer.down) is Q6KLinear
+        assert type(layer.o) is Q3MLinear and type(layer.down) is Q6KLinear
     runner = ModelRunner(taken, decoder=decoder)
     steps = torch.cat([runner.forward([t]) for t in tokens])
     runner.reset()

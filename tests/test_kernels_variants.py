@@ -38,6 +38,7 @@ from localspec.runtime.kernels import (
     RowAttention,
     cpu_features,
     load_kernels,
+    quantize_q3m,
     quantize_q4_0,
     quantize_q4k,
     quantize_q5k,
@@ -46,7 +47,14 @@ from localspec.runtime.kernels import (
     runnable_variants,
 )
 from localspec.runtime.kernels.library import SOURCE_DIR, find_compiler
-from localspec.runtime.quant import Q4_0Linear, Q4KLinear, Q5KLinear, Q6KLinear, Q8_0Linear
+from localspec.runtime.quant import (
+    Q3MLinear,
+    Q4_0Linear,
+    Q4KLinear,
+    Q5KLinear,
+    Q6KLinear,
+    Q8_0Linear,
+)
 from localspec.runtime.runner import ModelRunner
 from localspec.runtime.weight_formats import export_weights
 
@@ -90,17 +98,19 @@ def _awkward_rows(k: int) -> torch.Tensor:
 
 @pytest.mark.parametrize(("layer", "quantize", "k"),
                          [(Q4KLinear, quantize_q4k, 256), (Q4KLinear, quantize_q4k, 896),
-                          (Q4KLinear, quantize_q4k, 1536), (Q6KLinear, quantize_q6k, 256),
+                          (Q4KLinear, quantize_q4k, 1536), (Q3MLinear, quantize_q3m, 896),
+                          (Q3MLinear, quantize_q3m, 1536), (Q6KLinear, quantize_q6k, 256),
                           (Q6KLinear, quantize_q6k, 1536), (Q5KLinear, quantize_q5k, 896),
                           (Q5KLinear, quantize_q5k, 1536), (Q8_0Linear, quantize_q8_0, 96),
                           (Q8_0Linear, quantize_q8_0, 1536), (Q4_0Linear, quantize_q4_0, 96),
                           (Q4_0Linear, quantize_q4_0, 1536)],
-                         ids=["q4k-256", "q4k-896", "q4k-1536", "q6k-256", "q6k-1536", "q5k-896",
-                              "q5k-1536", "q8_0-96", "q8_0-1536", "q4_0-96", "q4_0-1536"])
+                         ids=["q4k-256", "q4k-896", "q4k-1536", "q3m-896", "q3m-1536", "q6k-256",
+                              "q6k-1536", "q5k-896", "q5k-1536", "q8_0-96", "q8_0-1536", "q4_0-96",
+                              "q4_0-1536"])
 def test_products_equal_the_portable_build(simd: ctypes.CDLL, portable: ctypes.CDLL,
                                            layer: type[Q4KLinear], quantize: object,
                                            k: int) -> None:
-    """Q4_K, Q6_K, Q5_K, Q8_0 and Q4_0 products of 1..17 rows (every row count around 4 and 8
+    """Q4_K, Q3_M, Q6_K, Q5_K, Q8_0 and Q4_0 products of 1..17 rows (every row count around 4 and 8
     rows per pass), plain and awkward rows: the same bits from the SIMD variant and the
     portable build."""
     w = quantize(random_weights(48, k, seed=k + 1))  # type: ignore[operator]

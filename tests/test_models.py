@@ -287,7 +287,8 @@ def test_check_same_tokenizer_real(saved_model_dir: Path, tmp_path: Path) -> Non
         ({"dtype": "int3"}, "dtype must be one of auto, float32, bfloat16, float16"),
         ({"device": "tpu"}, "device must be one of auto, cpu, cuda, got 'tpu'"),
         ({"quantization": "gptq"},
-         "quantization must be one of none, w4a8, requant-q4k, w8a8, int8-weight-only, "
+         "quantization must be one of none, w4a8, requant-q4k, requant-q3m, w8a8, "
+         "int8-weight-only, "
          "bnb-4bit, bnb-8bit"),
     ],
 )

@@ -1,7 +1,8 @@
 """The w4a8 CPU forward on tiny random models: Q4_K matrices through the native kernel keep a
 verify pass bit-identical to one-token steps (what keeps speculation lossless), "w4a8" takes a
 GGUF's Q4_K numbers only where they are exactly the model's weights, "requant-q4k" quantizes
-every matrix, and ``load_model`` stores, reloads and falls back to w8a8 with a reason."""
+every matrix (and "requant-q3m" to 3 bits), and ``load_model`` stores, reloads and falls back
+to w8a8 with a reason."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from localspec.runtime.kernels import (
     quantize_q4k,
     quantize_q6k,
 )
-from localspec.runtime.quant import Q4KLinear, Q6KLinear, W8A8Linear
+from localspec.runtime.quant import Q3MLinear, Q4KLinear, Q6KLinear, W8A8Linear
 from localspec.runtime.runner import ModelRunner
 from localspec.runtime.weight_formats import ConcatLinear, cut_linear, export_weights
 from localspec.sampling import SamplingParams
@@ -74,12 +75,16 @@ def _as_q4k(model: PreTrainedModel, names: tuple[str, ...]) -> dict[str, Q4KWeig
     return found
 
 
+REQUANT = {"requant-q4k": Q4KLinear, "requant-q3m": Q3MLinear}
+
+
+@pytest.mark.parametrize("kind", REQUANT)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_w4a8_batch_equals_one_token_steps(lib: object, dtype: torch.dtype) -> None:
+def test_w4a8_batch_equals_one_token_steps(lib: object, dtype: torch.dtype, kind: str) -> None:
     """After any prefix, a pass over n tokens gives bit for bit the logits of n one-token
     steps, also after cropping back: the w4a8 model is a fixed function of each position."""
-    runner = _runner(make_tiny_model(seed=0), "requant-q4k", lib, dtype=dtype)
-    assert all(isinstance(layer.gate_up, Q4KLinear) for layer in runner.decoder.layers)
+    runner = _runner(make_tiny_model(seed=0), kind, lib, dtype=dtype)
+    assert all(type(layer.gate_up) is REQUANT[kind] for layer in runner.decoder.layers)
     tokens = _tokens(50, seed=3)
     steps = torch.cat([runner.forward([t]) for t in tokens])
     assert torch.isfinite(steps).all()
@@ -135,13 +140,14 @@ def test_w4a8_native_stack_keeps_passes_equal_to_steps(lib: object) -> None:
         assert (loop.argmax(-1) == steps.argmax(-1)).float().mean() > 0.9
 
 
-def test_w4a8_requant_follows_the_float_model(lib: object) -> None:
-    """4-bit weights are coarser than int8 but must still be the same model (a packing or
-    scale error would be far off): relative logit error and argmax agreement."""
+@pytest.mark.parametrize("kind", REQUANT)
+def test_w4a8_requant_follows_the_float_model(lib: object, kind: str) -> None:
+    """4- or 3-bit weights are coarser than int8 but must still be the same model (a packing
+    or scale error would be far off): relative logit error and argmax agreement."""
     model = make_tiny_model(seed=1)
     tokens = _tokens(60, seed=1)
     reference = ModelRunner(model).forward(tokens)
-    logits = _runner(model, "requant-q4k", lib).forward(tokens)
+    logits = _runner(model, kind, lib).forward(tokens)
     relative = float((logits - reference).norm() / reference.norm())
     assert relative < 0.15, relative
     agreement = float((logits.argmax(-1) == reference.argmax(-1)).float().mean())

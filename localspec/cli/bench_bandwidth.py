@@ -3,12 +3,12 @@
 A one-token decode step reads every weight once, so on a CPU its time is bytes over bandwidth.
 This measures both in one process: the machine's read bandwidth as a torch sum over a 2 GiB
 buffer (all threads; best of several, as a kernel pass below), then, for each GGUF type the
-native kernels serve, a "pass": one input row through the linear layers of a model shaped like
-the built-in 1.5B (28 layers of q/k/v, o, gate/up and down projections; random weights of that
-type, each layer's its own copy, so they stream from memory and not from cache), timed best of
-``passes``. The result per type: milliseconds a pass, GB/s read, and the percentage of the
-measured bandwidth. Also the same pass at 8 and 16 rows (a verify pass), where the kernels turn
-compute-bound.
+native kernels serve and for Q3_M (a draft's 3-bit form), a "pass": one input row through the
+linear layers of a model shaped like the built-in 1.5B (28 layers of q/k/v, o, gate/up and down
+projections; random weights of that type, each layer's its own copy, so they stream from memory
+and not from cache), timed best of ``passes``. The result per type: milliseconds a pass, GB/s
+read, and the percentage of the measured bandwidth. Also the same pass at 8 and 16 rows (a
+verify pass), where the kernels turn compute-bound.
 
 Weights are packed once per shape from ``quantize_*`` of random floats, then cloned per layer:
 what is timed reads exactly the bytes a real model of that type reads (the LM head and the
@@ -24,10 +24,17 @@ from dataclasses import dataclass
 import torch
 
 from localspec.models.cache import kernel_dir
-from localspec.runtime.kernels import quantize_q4k, quantize_q5k, quantize_q6k, serving_kernels
+from localspec.runtime.kernels import (
+    quantize_q3m,
+    quantize_q4k,
+    quantize_q5k,
+    quantize_q6k,
+    serving_kernels,
+)
 from localspec.runtime.kernels.library import built_variant
 from localspec.runtime.kernels.q32_formats import quantize_q4_0, quantize_q8_0
 from localspec.runtime.quant import (
+    Q3MLinear,
     Q4_0Linear,
     Q4KLinear,
     Q5KLinear,
@@ -46,6 +53,7 @@ TYPES: dict[str, tuple[type[Q4KLinear], Callable[[torch.Tensor], object]]] = {
     "Q6_K": (Q6KLinear, quantize_q6k),
     "Q8_0": (Q8_0Linear, quantize_q8_0),
     "Q4_0": (Q4_0Linear, quantize_q4_0),
+    "Q3_M": (Q3MLinear, quantize_q3m),
 }
 
 

@@ -22,7 +22,7 @@ from localspec.registry import drafter_spec
 # LocalSpec quantization -> vLLM's (None: vLLM cannot quantize this way on the fly)
 VLLM_QUANTIZATION = {"none": "", "bnb-4bit": "bitsandbytes", "bnb-8bit": None,
                      "int8-weight-only": None, "w8a8": None, "w4a8": None,
-                     "requant-q4k": None}
+                     "requant-q4k": None, "requant-q3m": None}
 
 
 @dataclass(frozen=True)

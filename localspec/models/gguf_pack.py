@@ -69,8 +69,8 @@ logger = logging.getLogger(__name__)
 META_FOLDER = GGUF_META_FOLDER  # under cache_root(): config and tokenizer, no weights
 # The GGUF types each kind keeps as stored (export_weights): w4a8 the layer matrices of every
 # type with a native kernel and a Q6_K head; requant-q4k the Q4_K matrices (it quantizes the
-# others to Q4_K, from floats).
-_KEPT = {"w4a8": NATIVE_GGUF_TYPES, "requant-q4k": ("Q4_K",)}
+# others to Q4_K, from floats); requant-q3m none (it quantizes every matrix to Q3_M).
+_KEPT = {"w4a8": NATIVE_GGUF_TYPES, "requant-q4k": ("Q4_K",), "requant-q3m": ()}
 _KEPT_HEAD = {"w4a8": ("Q6_K",)}
 _VOCABULARY_TENSORS = ("token_embd.weight", "output.weight")  # dequantized _ROWS at a time
 _ROWS = 16384

@@ -151,6 +151,8 @@ def weight_bytes(arch: Architecture, quantization: str = "none", dtype: str = "a
         return counts.linear + counts.linear_rows * 4 + other + tied_head
     if quantization in ("w4a8", "requant-q4k"):
         return counts.linear * 9 // 16 + other + tied_head
+    if quantization == "requant-q3m":  # 3.75 bits a weight against Q4_K's 4.75
+        return counts.linear * 9 * 15 // (16 * 19) + other + tied_head
     raise HardwareError(f"no size rule for quantization '{quantization}'")
 
 

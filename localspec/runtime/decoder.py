@@ -55,7 +55,7 @@ CACHE_BLOCK = 256  # the KV cache grows in blocks of this many positions
 # it may see. A masked batch would sum over a longer, zero-padded row, and float sums of another
 # length round differently: a verify pass must compute each token bit for bit as the one-token
 # step of plain decoding does (measured: 2 of 6 real prompts diverged at a near-tie without it).
-LINEAR_KINDS = ("w8a8", "w4a8", "requant-q4k", "dense")
+LINEAR_KINDS = ("w8a8", "w4a8", "requant-q4k", "requant-q3m", "dense")
 
 
 def unsupported_reason(model: PreTrainedModel) -> str | None:
@@ -112,9 +112,9 @@ class KVCache:
 class CpuDecoder:
     """Hidden states of a Llama-family model, computed with the given linear-layer kind.
 
-    ``linear`` is "w8a8" (int8 weights, per-token int8 activations), "w4a8" / "requant-q4k"
-    (Q4_K and Q6_K weights where there are some, see ``weight_formats``) or "dense" (the loaded
-    dtype).
+    ``linear`` is "w8a8" (int8 weights, per-token int8 activations), "w4a8" / "requant-q4k" /
+    "requant-q3m" (a GGUF's native types, Q4_K or Q3_M weights where there are some, see
+    ``weight_formats``) or "dense" (the loaded dtype).
     ``head`` computes logits; a runner asks it for the rows it needs.
     """
 

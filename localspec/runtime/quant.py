@@ -15,6 +15,8 @@ exactly as the file has them, times int8 activations with one scale per group of
 native kernel (``localspec.runtime.kernels``) whose rows, too, do not depend on each other;
 ``Q6KLinear`` does the same for a file's Q6_K matrices (6.6 bits a weight), and ``Q5KLinear``,
 ``Q8_0Linear``, ``Q4_0Linear`` for its Q5_K (5.5), Q8_0 (8.5) and Q4_0 (4.5) matrices.
+``Q3MLinear`` serves LocalSpec's own 3-bit Q3_M (3.75 bits a weight as packed), a draft's
+matrices quantized again (``quantize_q3m``).
 
 ``Int8WeightOnlyLinear`` (``_weight_int8pack_mm``) reads the same bytes but costs more per row:
 fine for a one-token draft step, poor for verifying 16 tokens.
@@ -31,11 +33,20 @@ import torch
 from torch import nn
 
 from localspec.config import MAX_SPECULATIVE_TOKENS
-from localspec.runtime.kernels.abi import KIND_Q4_0, KIND_Q4_K, KIND_Q5_K, KIND_Q6_K, KIND_Q8_0
+from localspec.runtime.kernels.abi import (
+    KIND_Q3_M,
+    KIND_Q4_0,
+    KIND_Q4_K,
+    KIND_Q5_K,
+    KIND_Q6_K,
+    KIND_Q8_0,
+)
 from localspec.runtime.kernels.kquant_formats import (
+    Q3M_PACKED,
     Q4K_PACKED,
     Q5K_PACKED,
     Q6K_PACKED,
+    pack_q3m,
     pack_q4k,
     pack_q5k,
     pack_q6k,
@@ -209,7 +220,15 @@ class Q4_0Linear(Q4KLinear):
     PACK = staticmethod(pack_q4_0)
 
 
-NATIVE_LINEARS = (Q4KLinear, Q5KLinear, Q6KLinear, Q8_0Linear, Q4_0Linear)
+class Q3MLinear(Q4KLinear):
+    """The same for W in Q3_M (``pack_q3m``: the low 2 bits and the third in one tensor)."""
+
+    PACKED = Q3M_PACKED
+    FUNCTION, WHAT, KIND, QS_BITS = "q3m_linear", "Q3_M", KIND_Q3_M, 3
+    PACK = staticmethod(pack_q3m)
+
+
+NATIVE_LINEARS = (Q4KLinear, Q5KLinear, Q6KLinear, Q8_0Linear, Q4_0Linear, Q3MLinear)
 
 
 class DenseLinear:

@@ -5,11 +5,13 @@ new weight format arrives.
 
 Formats, by ``kind``: "dense" (the loaded dtype), "w8a8" (int8 rows with one scale each,
 ``W8A8Linear``), "w4a8" (a GGUF's Q4_K, Q5_K, Q6_K, Q8_0 and Q4_0 matrices as stored,
-``quant.NATIVE_LINEARS``, a Q6_K LM head included; others w8a8) and "requant-q4k" (every
-layer matrix quantized to Q4_K, the head int8). A draft's head cut to frequent rows is served
-in Q4_0 where the native kernels are at hand (``cut_linear``). In the w8a8
-layers the down projection's weight is turned by a block Hadamard rotation (``hadamard``) and
-the forward turns its input the same way (``rotate``): see the decoder's docstring.
+``quant.NATIVE_LINEARS``, a Q6_K LM head included; others w8a8), "requant-q4k" (every
+layer matrix quantized to Q4_K, the head int8) and "requant-q3m" (every layer matrix in
+LocalSpec's own 3-bit Q3_M, the head int8: a draft that reads a fifth fewer bytes a token).
+A draft's head cut to frequent rows is served in Q4_0 where the native kernels are at hand
+(``cut_linear``). In the w8a8 layers the down projection's weight is turned by a block
+Hadamard rotation (``hadamard``) and the forward turns its input the same way (``rotate``):
+see the decoder's docstring.
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ from transformers import PreTrainedModel
 from localspec.runtime.kernels.kquant_formats import (
     BLOCK_ROWS,
     GROUP,
+    Q3MWeights,
     Q4KWeights,
     Q5KWeights,
     Q6KWeights,
     cat_rows,
+    quantize_q3m,
     quantize_q4k,
     unpack_q6k,
 )
@@ -39,6 +43,7 @@ from localspec.runtime.kernels.q32_formats import (
 from localspec.runtime.quant import (
     NATIVE_LINEARS,
     DenseLinear,
+    Q3MLinear,
     Q4_0Linear,
     Q4KLinear,
     Q5KLinear,
@@ -87,7 +92,10 @@ def rotate(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
 _NATIVE: dict[str, tuple[type, type[Q4KLinear]]] = {
     "q4k": (Q4KWeights, Q4KLinear), "q5k": (Q5KWeights, Q5KLinear),
     "q6k": (Q6KWeights, Q6KLinear), "q8_0": (Q8_0Weights, Q8_0Linear),
-    "q4_0": (Q4_0Weights, Q4_0Linear)}
+    "q4_0": (Q4_0Weights, Q4_0Linear), "q3m": (Q3MWeights, Q3MLinear)}
+# A draft's kinds that quantize its matrices again: the quantizer, and the form a file's
+# matrix may already be in to be kept as it is (None: none is kept).
+_REQUANTIZE = {"requant-q4k": (quantize_q4k, Q4KWeights), "requant-q3m": (quantize_q3m, None)}
 
 
 def _fused(kind: str, modules: list[nn.Linear],
@@ -128,18 +136,21 @@ def _exact(module: nn.Linear, name: str, stored: Mapping[str, KQuantWeights]
 
 
 def _segments(modules: list[nn.Linear], names: list[str],
-              stored: Mapping[str, KQuantWeights], requantize: bool
+              stored: Mapping[str, KQuantWeights], requantize: str | None
               ) -> list[tuple[str, list[nn.Linear], list[KQuantWeights]]]:
     """Consecutive modules of one fused layer grouped by how they are served: a kind of
     ``_NATIVE`` (exact file weights; rows in blocks of 16, inputs in groups of 32) or "w8a8". With
-    ``requantize`` every matrix is Q4_K (a draft's: the fewest bytes)."""
+    ``requantize`` (a kind of ``_REQUANTIZE``) every matrix is in its form (a draft's: the
+    fewest bytes)."""
     out: list[tuple[str, list[nn.Linear], list[KQuantWeights]]] = []
     for module, name in zip(modules, names, strict=True):
         exact = None
         if module.out_features % 16 == 0 and module.in_features % 32 == 0:
             exact = _exact(module, name, stored)
-            if requantize and not isinstance(exact, Q4KWeights):
-                exact = quantize_q4k(module.weight)
+            if requantize is not None:
+                quantize, kept = _REQUANTIZE[requantize]
+                if kept is None or not isinstance(exact, kept):
+                    exact = quantize(module.weight)
         kind = next((name for name, (form, _) in _NATIVE.items() if type(exact) is form),
                     "w8a8")
         if out and out[-1][0] == kind:
@@ -159,14 +170,15 @@ def export_weights(model: PreTrainedModel, kind: str = "w8a8",
 
     "w4a8": the matrices ``q4k`` holds (by module name, as a GGUF file stores them: Q4_K,
     Q5_K, Q6_K, Q8_0 or Q4_0) that are exactly the model's weights are kept so for the native
-    kernels; all others are w8a8. "requant-q4k": every other layer matrix is quantized to Q4_K.
-    A fused layer is then stored as segments ``<name>.<s>.*`` of one kind each."""
+    kernels; all others are w8a8. "requant-q4k": every other layer matrix is quantized to Q4_K;
+    "requant-q3m": every layer matrix to Q3_M. A fused layer is then stored as segments
+    ``<name>.<s>.*`` of one kind each."""
     q4k = q4k or {}
     backbone = model.base_model
     module_names = {module: name for name, module in model.named_modules()}
     weights = {"embed": backbone.embed_tokens.weight.detach().clone(),
                "norm": backbone.norm.weight.detach().float()}
-    segmented = kind in ("w4a8", "requant-q4k")
+    segmented = kind == "w4a8" or kind in _REQUANTIZE
     if kind != "dense":
         weights["down_rotation"] = hadamard(model.config.intermediate_size)
     for i, layer in enumerate(backbone.layers):
@@ -175,7 +187,8 @@ def export_weights(model: PreTrainedModel, kind: str = "w8a8",
                  "gate_up": [mlp.gate_proj, mlp.up_proj], "down": [mlp.down_proj]}
         for name, modules in parts.items():
             segments = [(kind, modules, [])] if not segmented else _segments(
-                modules, [module_names[m] for m in modules], q4k, kind == "requant-q4k")
+                modules, [module_names[m] for m in modules], q4k,
+                kind if kind in _REQUANTIZE else None)
             for s, (seg_kind, seg_modules, exact) in enumerate(segments):
                 prefix = f"layers.{i}.{name}.{s}" if segmented else f"layers.{i}.{name}"
                 if name == "down" and seg_kind == "w8a8":  # x W^T = (x H)(W H)^T
@@ -202,7 +215,8 @@ def export_weights(model: PreTrainedModel, kind: str = "w8a8",
 
 def _one_linear(weights: Mapping[str, torch.Tensor], prefix: str, lib: object | None) -> Linear:
     bias = weights.get(f"{prefix}.bias")
-    for linear in (Q6KLinear, Q5KLinear, Q8_0Linear, Q4_0Linear, Q4KLinear):  # Q4_K's keys last
+    for linear in (Q6KLinear, Q5KLinear, Q8_0Linear, Q4_0Linear, Q3MLinear,
+                   Q4KLinear):  # Q4_K's keys last
         if all(f"{prefix}.{k}" in weights for k in linear.PACKED):
             if lib is None:
                 raise ValueError(f"{prefix} is stored in {linear.WHAT}, and no kernel was given")

@@ -36,9 +36,9 @@ int64_t kernels_layout(char *out, int64_t size) {
     CONSTANT(sizeof(Q4KGroup)); CONSTANT(sizeof(Q6KTop));
     CONSTANT(sizeof(GgufBlockQ5K)); CONSTANT(sizeof(GgufBlockQ8_0));
     CONSTANT(sizeof(GgufBlockQ4_0));
-    CONSTANT(sizeof(Q5KGroup)); CONSTANT(sizeof(Q8Group));
+    CONSTANT(sizeof(Q5KGroup)); CONSTANT(sizeof(Q8Group)); CONSTANT(sizeof(Q3MGroup));
     CONSTANT(KIND_Q4_0); CONSTANT(KIND_Q4_K); CONSTANT(KIND_Q5_K); CONSTANT(KIND_Q6_K);
-    CONSTANT(KIND_Q8_0);
+    CONSTANT(KIND_Q8_0); CONSTANT(KIND_Q3_M);
     STRUCT(KPart); FIELD(KPart, kind); FIELD(KPart, n); FIELD(KPart, t); FIELD(KPart, bias); END();
     STRUCT(KFused); FIELD(KFused, parts); FIELD(KFused, part); END();
     STRUCT(KLayer); FIELD(KLayer, norm1); FIELD(KLayer, norm2); FIELD(KLayer, q_norm);

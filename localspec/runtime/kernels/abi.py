@@ -15,6 +15,7 @@ import ctypes
 from localspec.runtime.kernels.kquant_formats import (
     BLOCK_ROWS,
     GROUP,
+    Q3M_PACKED,
     Q4K_BLOCK_BYTES,
     Q4K_PACKED,
     Q5K_BLOCK_BYTES,
@@ -30,9 +31,10 @@ from localspec.runtime.kernels.q32_formats import (
     Q8_0_PACKED,
 )
 
-ABI_VERSION = 4  # kernels.h's KERNELS_ABI_VERSION
-# KPart kinds (kernels.h): ggml's type numbers for the legacy types, the bits for k-quants
-KIND_Q4_0, KIND_Q4_K, KIND_Q5_K, KIND_Q6_K, KIND_Q8_0 = 2, 4, 5, 6, 8
+ABI_VERSION = 5  # kernels.h's KERNELS_ABI_VERSION
+# KPart kinds (kernels.h): ggml's type numbers for the legacy types, the bits for k-quants;
+# Q3_M (LocalSpec's own, no GGUF type) one past ggml's range
+KIND_Q4_0, KIND_Q4_K, KIND_Q5_K, KIND_Q6_K, KIND_Q8_0, KIND_Q3_M = 2, 4, 5, 6, 8, 103
 MAX_PARTS = 4  # linear layers side by side in one fused projection
 MAX_HEAD_DIM = 256  # attend_rows' limits
 MAX_SHARED = 16  # query heads per key-value head
@@ -87,6 +89,8 @@ FUNCTIONS: dict[str, tuple[type, list[type]]] = {
                           _pointer, _int]),
     "q5k_linear": (_int, [_pointer, _size, _size, *[_pointer] * len(Q5K_PACKED), _size,
                           _pointer, _int]),
+    "q3m_linear": (_int, [_pointer, _size, _size, *[_pointer] * len(Q3M_PACKED), _size,
+                          _pointer, _int]),
     "q8_0_linear": (_int, [_pointer, _size, _size, *[_pointer] * len(Q8_0_PACKED), _size,
                            _pointer, _int]),
     "q4_0_linear": (_int, [_pointer, _size, _size, *[_pointer] * len(Q4_0_PACKED), _size,
@@ -113,9 +117,10 @@ def expected_layout() -> str:
                  "sizeof(GgufBlockQ5K)": Q5K_BLOCK_BYTES, "sizeof(GgufBlockQ8_0)": Q8_0_BLOCK_BYTES,
                  "sizeof(GgufBlockQ4_0)": Q4_0_BLOCK_BYTES,
                  "sizeof(Q5KGroup)": BLOCK_ROWS * GROUP * 5 // 8,
-                 "sizeof(Q8Group)": BLOCK_ROWS * GROUP, "KIND_Q4_0": KIND_Q4_0,
+                 "sizeof(Q8Group)": BLOCK_ROWS * GROUP,
+                 "sizeof(Q3MGroup)": BLOCK_ROWS * GROUP * 3 // 8, "KIND_Q4_0": KIND_Q4_0,
                  "KIND_Q4_K": KIND_Q4_K, "KIND_Q5_K": KIND_Q5_K, "KIND_Q6_K": KIND_Q6_K,
-                 "KIND_Q8_0": KIND_Q8_0}
+                 "KIND_Q8_0": KIND_Q8_0, "KIND_Q3_M": KIND_Q3_M}
     text = "".join(f"{name}={value};" for name, value in constants.items())
     for struct in _STRUCTS:
         fields = "".join(f" {name}@{getattr(struct, name).offset}" for name, *_ in struct._fields_)

@@ -1,8 +1,9 @@
 /* The native kernels of LocalSpec's quantized CPU forward: the one header of the library.
  *
  * What the library holds, by file:
- *   kquant_matmul.c  products over GGUF Q4_K, Q5_K, Q6_K, Q8_0 and Q4_0 weights (activations
- *                    quantized to int8 here); the per-instruction-set inner loops are
+ *   kquant_matmul.c  products over GGUF Q4_K, Q5_K, Q6_K, Q8_0 and Q4_0 weights and LocalSpec's
+ *                    own 3-bit Q3_M (activations quantized to int8 here); the
+ *                    per-instruction-set inner loops are
  *                    kquant_<variant>.h
  *   attention.c      attention of new query rows over a bf16 KV cache (attend_rows, attend_tree)
  *   decoder_stack.c  the whole decoder stack of a Llama-family model in one call
@@ -31,7 +32,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define KERNELS_ABI_VERSION 4
+#define KERNELS_ABI_VERSION 5
 
 #if defined(KERNELS_AVX512) + defined(KERNELS_AVX2) > 1
 #error "build one variant: KERNELS_AVX512, KERNELS_AVX2 or neither (portable)"
@@ -61,7 +62,9 @@
  * Q4_K: w = d * sc_g * q - dmin * mn_g, q in 0..15, one (sc, mn) pair of 6-bit integers per
  * group of GROUP inputs and one (d, dmin) pair per SUPER. Q6_K: w = d * sc_h * (q - 32),
  * q in 0..63, one signed 8-bit scale per half-group of 16 inputs and one d per SUPER.
- * Q5_K: Q4_K with a fifth bit (q in 0..31). Q8_0: w = d * q, q in -128..127, one d per GROUP.
+ * Q5_K: Q4_K with a fifth bit (q in 0..31). Q3_M (no GGUF type: a draft's matrices quantized
+ * again, 3.75 bits a weight here against Q4_K's 4.75): Q4_K with q in 0..7 and 8-bit sc, mn.
+ * Q8_0: w = d * q, q in -128..127, one d per GROUP.
  * Q4_0: w = d * (q - 8), q in 0..15, one d per GROUP.
  *
  * As a GGUF file stores them (parsed in Python, localspec/runtime/kernels/kquant_formats.py):
@@ -106,6 +109,7 @@ static_assert(sizeof(GgufBlockQ4_0) == 18, "a GGUF Q4_0 block is 18 bytes");
  *        sc [N/16][K/16][16] i8; d [N/16][K/256][16] f32.
  *   Q5_K qs  [N/16][K/32] Q5KGroup (Q4_K's nibbles and the fifth bits); sc, mn, d, dmin as
  *        Q4_K's.
+ *   Q3_M qs  [N/16][K/32] Q3MGroup; sc, mn, d, dmin as Q4_K's.
  *   Q8_0 qs  [N/16][K/32] Q8Group; d [N/16][K/32][16] f32.
  *   Q4_0 qs  [N/16][K/32] Q4KGroup; d [N/16][K/32][16] f32.
  * An operand is 16 rows x 4 inputs (64 bytes, byte 4 r + j for row r, input j): operand o of
@@ -133,6 +137,14 @@ typedef struct {
 static_assert(sizeof(Q5KGroup) == BLOCK_ROWS * GROUP * 5 / 8, "Q5KGroup: 5 bits a weight");
 
 typedef struct {
+    /* byte p of load i (0, 1) holds, at bits 2 s, the low 2 bits of operand 4 i + s at byte p
+     * (operand o: 16 rows x inputs 4 o .. 4 o + 3, as Q4KGroup's) */
+    uint8_t load[2][64];
+    uint8_t top[64];  /* byte p holds, at bit o, the third bit of operand o at byte p */
+} Q3MGroup;
+static_assert(sizeof(Q3MGroup) == BLOCK_ROWS * GROUP * 3 / 8, "Q3MGroup: 3 bits a weight");
+
+typedef struct {
     /* operand o (0..7): q + 128 as u8, so that VNNI's u8 x s8 products take it */
     uint8_t operand[8][64];
 } Q8Group;
@@ -141,9 +153,11 @@ static_assert(sizeof(Q8Group) == BLOCK_ROWS * GROUP, "Q8Group: 8 bits a weight")
 /* --------------------------------------------------------------------- the decoder stack
  * decoder_forward's arguments: every layer's fused projections (a KPart's kind and its packed
  * tensors in t[], in the order of the product's arguments below: Q4_K qs, sc, mn, d, dmin;
- * Q5_K the same; Q6_K qs, qh, sc, d; Q8_0 and Q4_0 qs, d), the model's shape, and one call's
- * rows. The kinds are ggml's type numbers for the legacy types. */
-enum { KIND_Q4_0 = 2, KIND_Q4_K = 4, KIND_Q5_K = 5, KIND_Q6_K = 6, KIND_Q8_0 = 8 };
+ * Q5_K and Q3_M the same; Q6_K qs, qh, sc, d; Q8_0 and Q4_0 qs, d), the model's shape, and one call's
+ * rows. The kinds are ggml's type numbers for the legacy types; Q3_M, which ggml does not
+ * have, takes one past its range. */
+enum { KIND_Q4_0 = 2, KIND_Q4_K = 4, KIND_Q5_K = 5, KIND_Q6_K = 6, KIND_Q8_0 = 8,
+       KIND_Q3_M = 103 };
 #define MAX_PARTS 4     /* linear layers side by side in one fused projection */
 #define MAX_HEAD_DIM 256
 #define MAX_SHARED 16   /* query heads per key-value head */
@@ -201,6 +215,10 @@ KERNELS_API int q6k_linear(const float *x, int64_t m_rows, int64_t k, const uint
 KERNELS_API int q5k_linear(const float *x, int64_t m_rows, int64_t k, const uint8_t *qs,
                            const uint8_t *sc, const uint8_t *mn, const float *d,
                            const float *dmin, int64_t n, float *y, int threads);
+/* The same for packed Q3_M weights (qs: Q3MGroup); k % 32 == 0. */
+KERNELS_API int q3m_linear(const float *x, int64_t m_rows, int64_t k, const uint8_t *qs,
+                           const uint8_t *sc, const uint8_t *mn, const float *d,
+                           const float *dmin, int64_t n, float *y, int threads);
 /* The same for packed Q8_0 (qs: Q8Group) and Q4_0 (qs: Q4KGroup) weights; k % 32 == 0. */
 KERNELS_API int q8_0_linear(const float *x, int64_t m_rows, int64_t k, const uint8_t *qs,
                             const float *d, int64_t n, float *y, int threads);
@@ -246,6 +264,9 @@ void q4k_run(const Scratch *s, int64_t m_rows, int64_t k, const uint8_t *qs, con
 void q6k_run(const Scratch *s, int64_t m_rows, int64_t k, const uint8_t *qs, const uint8_t *qh,
              const int8_t *sc, const float *d, int64_t n, float *y, int64_t ldy, int threads);
 void q5k_run(const Scratch *s, int64_t m_rows, int64_t k, const uint8_t *qs, const uint8_t *sc,
+             const uint8_t *mn, const float *d, const float *dmin, int64_t n, float *y,
+             int64_t ldy, int threads);
+void q3m_run(const Scratch *s, int64_t m_rows, int64_t k, const uint8_t *qs, const uint8_t *sc,
              const uint8_t *mn, const float *d, const float *dmin, int64_t n, float *y,
              int64_t ldy, int threads);
 /* Q8_0 (bits 8) or Q4_0 (bits 4). */

@@ -41,15 +41,25 @@ ALWAYS_INLINE __m256i broadcast4(const int8_t *a) {
 #define Q5_TOP(hv, o) ((o) < 4 ? _mm256_slli_epi16(hv, 4 - (o)) : \
                        (o) == 4 ? (hv) : _mm256_srli_epi16(hv, (o) - 4))
 
-/* Q4_K (five 0) or Q5_K (five 1): rows m0..m0+rows-1 of block b, 16 outputs each (see
- * kquant_avx512.h). */
-ALWAYS_INLINE void block_rows(const uint8_t *qs, const int five, const uint8_t *sc,
+/* Q3_M's operand o (see kquant_avx512.h). */
+ALWAYS_INLINE __m256i q3_operand(__m256i v, __m256i hv, int o) {
+    const __m256i t = o < 2 ? _mm256_slli_epi16(hv, 2 - o) : o == 2 ? hv
+                            : _mm256_srli_epi16(hv, o - 2);
+    return _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 2 * (o % 4)),
+                                            _mm256_set1_epi8(3)),
+                           _mm256_and_si256(t, _mm256_set1_epi8(4)));
+}
+
+/* Q4_K (bits 4), Q5_K (bits 5) or Q3_M (bits 3): rows m0..m0+rows-1 of block b, 16 outputs
+ * each (see kquant_avx512.h). */
+ALWAYS_INLINE void block_rows(const uint8_t *qs, const int bits, const uint8_t *sc,
                               const uint8_t *mn, const float *d, const float *dmin,
                               const int8_t *xq, const float *xs, const float *xsum, float *y,
                               int64_t b, int64_t m0, int rows, int64_t ldy, int64_t k,
                               int64_t m_rows) {
     const int64_t groups = k / GROUP, supers = (groups + 7) / 8;
-    const size_t stride = five ? sizeof(Q5KGroup) : sizeof(Q4KGroup);
+    const size_t stride = bits == 5 ? sizeof(Q5KGroup)
+                          : bits == 3 ? sizeof(Q3MGroup) : sizeof(Q4KGroup);
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     const __m256i bit4 = _mm256_set1_epi8(0x10);
     for (int h = 0; h < 2; h++) {
@@ -68,14 +78,25 @@ ALWAYS_INLINE void block_rows(const uint8_t *qs, const int five, const uint8_t *
             for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_si256();
             for (size_t p = 0; p < stride; p += 64)
                 _mm_prefetch((const char *)group + PREFETCH * stride + p, _MM_HINT_T0);
-            const __m256i hv = five ? _mm256_loadu_si256(
+            if (bits == 3) {
+                const Q3MGroup *g3 = (const Q3MGroup *)group;
+                const __m256i hv = _mm256_loadu_si256((const void *)(g3->top + h * 32));
+                for (int o = 0; o < 8; o++) {
+                    const __m256i w = q3_operand(
+                        _mm256_loadu_si256((const void *)(g3->load[o / 4] + h * 32)), hv, o);
+                    for (int r = 0; r < rows; r++)
+                        acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(
+                            w, broadcast4(xq + (g * m_rows + m0 + r) * 32 + 4 * o)), ones));
+                }
+            }
+            const __m256i hv = bits == 5 ? _mm256_loadu_si256(
                 (const void *)(((const Q5KGroup *)group)->top + h * 32)) : _mm256_setzero_si256();
-            for (int i = 0; i < 4; i++) {
+            for (int i = 0; i < (bits == 3 ? 0 : 4); i++) {
                 __m256i v = _mm256_loadu_si256(
                     (const void *)(((const Q4KGroup *)group)->load[i] + h * 32));
                 __m256i w0 = _mm256_and_si256(v, low);
                 __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-                if (five) {
+                if (bits == 5) {
                     w0 = _mm256_or_si256(w0, _mm256_and_si256(Q5_TOP(hv, 2 * i), bit4));
                     w1 = _mm256_or_si256(w1, _mm256_and_si256(Q5_TOP(hv, 2 * i + 1), bit4));
                 }

@@ -29,16 +29,28 @@ ALWAYS_INLINE float quantize_group(const float *src, int8_t *dst, int32_t sums[2
 #define Q5_TOP(hv, o) ((o) < 4 ? _mm512_slli_epi16(hv, 4 - (o)) : \
                        (o) == 4 ? (hv) : _mm512_srli_epi16(hv, (o) - 4))
 
-/* Q4_K (five 0) or Q5_K (five 1, qs holding Q5KGroups): rows m0..m0+rows-1 of block b, 16
- * outputs each. Always inlined with constant ``rows`` and ``five``, so that the accumulators
- * live in registers and Q4_K's loop has no trace of the fifth bit. */
-ALWAYS_INLINE void block_rows(const uint8_t *qs, const int five, const uint8_t *sc,
+/* Q3_M's operand o: the low 2 bits (bits 2 s of load v, o = 4 i + s) and the third (bit o of
+ * each top byte) moved to bit 2. */
+ALWAYS_INLINE __m512i q3_operand(__m512i v, __m512i hv, int o) {
+    const __m512i t = o < 2 ? _mm512_slli_epi16(hv, 2 - o) : o == 2 ? hv
+                            : _mm512_srli_epi16(hv, o - 2);
+    return _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 2 * (o % 4)),
+                                            _mm512_set1_epi8(3)),
+                           _mm512_and_si512(t, _mm512_set1_epi8(4)));
+}
+
+/* Q4_K (bits 4), Q5_K (bits 5, qs holding Q5KGroups) or Q3_M (bits 3, Q3MGroups): rows
+ * m0..m0+rows-1 of block b, 16 outputs each. Always inlined with constant ``rows`` and
+ * ``bits``, so that the accumulators live in registers and Q4_K's loop has no trace of the
+ * others' bits. */
+ALWAYS_INLINE void block_rows(const uint8_t *qs, const int bits, const uint8_t *sc,
                               const uint8_t *mn, const float *d, const float *dmin,
                               const int8_t *xq, const float *xs, const float *xsum, float *y,
                               int64_t b, int64_t m0, int rows, int64_t ldy, int64_t k,
                               int64_t m_rows) {
     const int64_t groups = k / GROUP, supers = (groups + 7) / 8;
-    const size_t stride = five ? sizeof(Q5KGroup) : sizeof(Q4KGroup);
+    const size_t stride = bits == 5 ? sizeof(Q5KGroup)
+                          : bits == 3 ? sizeof(Q3MGroup) : sizeof(Q4KGroup);
     const __m512i low = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
     __m512 out[ROWS_PER_PASS];
     for (int r = 0; r < rows; r++) out[r] = _mm512_setzero_ps();
@@ -55,13 +67,27 @@ ALWAYS_INLINE void block_rows(const uint8_t *qs, const int five, const uint8_t *
         for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_si512();
         for (size_t p = 0; p < stride; p += 64)
             _mm_prefetch((const char *)group + PREFETCH * stride + p, _MM_HINT_T0);
-        const __m512i hv = five ? _mm512_loadu_si512((const void *)((const Q5KGroup *)group)->top)
-                                : _mm512_setzero_si512();
-        for (int i = 0; i < 4; i++) {
+        if (bits == 3) {
+            const Q3MGroup *g3 = (const Q3MGroup *)group;
+            const __m512i hv = _mm512_loadu_si512((const void *)g3->top);
+            for (int o = 0; o < 8; o++) {
+                const __m512i w = q3_operand(
+                    _mm512_loadu_si512((const void *)g3->load[o / 4]), hv, o);
+                for (int r = 0; r < rows; r++) {
+                    int32_t a;
+                    memcpy(&a, xq + (g * m_rows + m0 + r) * 32 + 4 * o, 4);
+                    acc[r] = _mm512_dpbusd_epi32(acc[r], w, _mm512_set1_epi32(a));
+                }
+            }
+        }
+        const __m512i hv = bits == 5
+            ? _mm512_loadu_si512((const void *)((const Q5KGroup *)group)->top)
+            : _mm512_setzero_si512();
+        for (int i = 0; i < (bits == 3 ? 0 : 4); i++) {
             __m512i v = _mm512_loadu_si512((const void *)((const Q4KGroup *)group)->load[i]);
             __m512i w0 = _mm512_and_si512(v, low);
             __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-            if (five) {
+            if (bits == 5) {
                 w0 = _mm512_or_si512(w0, _mm512_and_si512(Q5_TOP(hv, 2 * i), bit4));
                 w1 = _mm512_or_si512(w1, _mm512_and_si512(Q5_TOP(hv, 2 * i + 1), bit4));
             }

@@ -1,5 +1,5 @@
-/* Matrix products over GGUF Q4_K, Q5_K, Q6_K, Q8_0 and Q4_0 weights (block layouts in
- * kernels.h).
+/* Matrix products over GGUF Q4_K, Q5_K, Q6_K, Q8_0 and Q4_0 weights and Q3_M (block layouts
+ * in kernels.h).
  *
  * y[m, n] = sum_k x[m, k] * w[n, k], with w exactly as the file stores it. The activations are
  * quantized here to int8 with one scale per group of 32 (as llama.cpp's Q8_0), so a single
@@ -97,7 +97,7 @@ void q4k_run(const Scratch *s, int64_t m_rows, int64_t k, const uint8_t *qs, con
              const uint8_t *mn, const float *d, const float *dmin, int64_t n, float *y,
              int64_t ldy, int threads) {
     (void)threads;
-#define Q4(R) case R: block_rows(qs, 0, sc, mn, d, dmin, s->xq, s->xs, s->xsum, y, b, m0, R, \
+#define Q4(R) case R: block_rows(qs, 4, sc, mn, d, dmin, s->xq, s->xs, s->xsum, y, b, m0, R, \
                                  ldy, k, m_rows); break;
     FOR_BLOCKS(Q4)
 #undef Q4
@@ -107,10 +107,20 @@ void q5k_run(const Scratch *s, int64_t m_rows, int64_t k, const uint8_t *qs, con
              const uint8_t *mn, const float *d, const float *dmin, int64_t n, float *y,
              int64_t ldy, int threads) {
     (void)threads;
-#define Q5(R) case R: block_rows(qs, 1, sc, mn, d, dmin, s->xq, s->xs, s->xsum, y, b, m0, R, \
+#define Q5(R) case R: block_rows(qs, 5, sc, mn, d, dmin, s->xq, s->xs, s->xsum, y, b, m0, R, \
                                  ldy, k, m_rows); break;
     FOR_BLOCKS(Q5)
 #undef Q5
+}
+
+void q3m_run(const Scratch *s, int64_t m_rows, int64_t k, const uint8_t *qs, const uint8_t *sc,
+             const uint8_t *mn, const float *d, const float *dmin, int64_t n, float *y,
+             int64_t ldy, int threads) {
+    (void)threads;
+#define Q3(R) case R: block_rows(qs, 3, sc, mn, d, dmin, s->xq, s->xs, s->xsum, y, b, m0, R, \
+                                 ldy, k, m_rows); break;
+    FOR_BLOCKS(Q3)
+#undef Q3
 }
 
 void q32_run(const Scratch *s, int bits, int64_t m_rows, int64_t k, const uint8_t *qs,
@@ -163,6 +173,16 @@ int q5k_linear(const float *x, int64_t m_rows, int64_t k, const uint8_t *qs, con
     Scratch s;
     int ok = scratch_make(&s, x, m_rows, k, 0, threads) == 0;
     if (ok) q5k_run(&s, m_rows, k, qs, sc, mn, d, dmin, n, y, n, threads);
+    scratch_free(&s);
+    return ok ? 0 : -1;
+}
+
+int q3m_linear(const float *x, int64_t m_rows, int64_t k, const uint8_t *qs, const uint8_t *sc,
+               const uint8_t *mn, const float *d, const float *dmin, int64_t n, float *y,
+               int threads) {
+    Scratch s;
+    int ok = scratch_make(&s, x, m_rows, k, 0, threads) == 0;
+    if (ok) q3m_run(&s, m_rows, k, qs, sc, mn, d, dmin, n, y, n, threads);
     scratch_free(&s);
     return ok ? 0 : -1;
 }

@@ -68,24 +68,41 @@ ALWAYS_INLINE void add_fifth_bits(const uint8_t top[64], int16_t w[16][GROUP]) {
                 w[l][4 * o + j] = (int16_t)(w[l][4 * o + j] | (((top[4 * l + j] >> o) & 1) << 4));
 }
 
-/* Q4_K (five 0) or Q5_K (five 1, qs holding Q5KGroups): rows m0..m0+rows-1 of block b, 16
- * outputs each. Per group and output lane: the exact int sum of q * xq, then
+/* Q3_M's weights (Q3MGroup) of one group's 16 lanes, in input order: the low 2 bits of operand
+ * o = 4 i + s at bits 2 s of load i, the third at bit o of top. */
+ALWAYS_INLINE void unpack_q3(const Q3MGroup *group, int16_t w[16][GROUP]) {
+    for (int o = 0; o < 8; o++)
+        for (int l = 0; l < 16; l++)
+            for (int j = 0; j < 4; j++) {
+                const int low = (group->load[o / 4][4 * l + j] >> (2 * (o % 4))) & 3;
+                const int third = (group->top[4 * l + j] >> o) & 1;
+                w[l][4 * o + j] = (int16_t)(low | (third << 2));
+            }
+}
+
+/* Q4_K (bits 4), Q5_K (bits 5, qs holding Q5KGroups) or Q3_M (bits 3, Q3MGroups): rows
+ * m0..m0+rows-1 of block b, 16 outputs each. Per group and output lane: the exact int sum of q * xq, then
  * out = fma(sum, d * sc * xs, out) and out = fma(-(dmin * mn), xsum, out). */
-ALWAYS_INLINE void block_rows(const uint8_t *qs, const int five, const uint8_t *sc,
+ALWAYS_INLINE void block_rows(const uint8_t *qs, const int bits, const uint8_t *sc,
                               const uint8_t *mn, const float *d, const float *dmin,
                               const int8_t *xq, const float *xs, const float *xsum, float *y,
                               int64_t b, int64_t m0, int rows, int64_t ldy, int64_t k,
                               int64_t m_rows) {
     const int64_t groups = k / GROUP, supers = (groups + 7) / 8;
-    const size_t stride = five ? sizeof(Q5KGroup) : sizeof(Q4KGroup);
+    const size_t stride = bits == 5 ? sizeof(Q5KGroup)
+                          : bits == 3 ? sizeof(Q3MGroup) : sizeof(Q4KGroup);
     const uint8_t *wsc = sc + b * groups * 16, *wmn = mn + b * groups * 16;
     float out[ROWS_PER_PASS][16] = {{0.0f}};
     int16_t w[16][GROUP];
     for (int64_t g = 0; g < groups; g++) {
         const float *vd = d + (b * supers + g / 8) * 16, *vdmin = dmin + (b * supers + g / 8) * 16;
         const uint8_t *group = qs + (size_t)(b * groups + g) * stride;
-        unpack_nibbles((const Q4KGroup *)group, w);
-        if (five) add_fifth_bits(((const Q5KGroup *)group)->top, w);
+        if (bits == 3) {
+            unpack_q3((const Q3MGroup *)group, w);
+        } else {
+            unpack_nibbles((const Q4KGroup *)group, w);
+            if (bits == 5) add_fifth_bits(((const Q5KGroup *)group)->top, w);
+        }
         for (int r = 0; r < rows; r++) {
             const int64_t at = g * m_rows + m0 + r;
             int32_t acc[16];

@@ -16,6 +16,7 @@ import torch
 from localspec.runtime.kernels.kquant_formats import (
     BLOCK_ROWS,
     GROUP,
+    Q3MWeights,
     Q4KWeights,
     Q5KWeights,
     Q6KWeights,
@@ -58,8 +59,8 @@ class Q4_0Weights:
         return (self.d[..., None] * q).view(n, k)
 
 
-# Every form a GGUF matrix is served in by the native kernels.
-KQuantWeights = Q4KWeights | Q5KWeights | Q6KWeights | Q8_0Weights | Q4_0Weights
+# Every form a matrix is served in by the native kernels (a GGUF's types, and Q3_M).
+KQuantWeights = Q4KWeights | Q5KWeights | Q6KWeights | Q8_0Weights | Q4_0Weights | Q3MWeights
 
 
 def _blocks(raw: np.ndarray, n: int, k: int, size: int, what: str) -> np.ndarray:
