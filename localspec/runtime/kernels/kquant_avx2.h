@@ -88,24 +88,26 @@ ALWAYS_INLINE void block_rows(const uint8_t *qs, const int bits, const uint8_t *
                         acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(
                             w, broadcast4(xq + (g * m_rows + m0 + r) * 32 + 4 * o)), ones));
                 }
-            }
-            const __m256i hv = bits == 5 ? _mm256_loadu_si256(
-                (const void *)(((const Q5KGroup *)group)->top + h * 32)) : _mm256_setzero_si256();
-            for (int i = 0; i < (bits == 3 ? 0 : 4); i++) {
-                __m256i v = _mm256_loadu_si256(
-                    (const void *)(((const Q4KGroup *)group)->load[i] + h * 32));
-                __m256i w0 = _mm256_and_si256(v, low);
-                __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-                if (bits == 5) {
-                    w0 = _mm256_or_si256(w0, _mm256_and_si256(Q5_TOP(hv, 2 * i), bit4));
-                    w1 = _mm256_or_si256(w1, _mm256_and_si256(Q5_TOP(hv, 2 * i + 1), bit4));
-                }
-                for (int r = 0; r < rows; r++) {
-                    const int8_t *a = xq + (g * m_rows + m0 + r) * 32 + 8 * i;
-                    acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(
-                        _mm256_maddubs_epi16(w0, broadcast4(a)), ones));
-                    acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(
-                        _mm256_maddubs_epi16(w1, broadcast4(a + 4)), ones));
+            } else {
+                const __m256i hv = bits == 5
+                    ? _mm256_loadu_si256((const void *)(((const Q5KGroup *)group)->top + h * 32))
+                    : _mm256_setzero_si256();
+                for (int i = 0; i < 4; i++) {
+                    __m256i v = _mm256_loadu_si256(
+                        (const void *)(((const Q4KGroup *)group)->load[i] + h * 32));
+                    __m256i w0 = _mm256_and_si256(v, low);
+                    __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                    if (bits == 5) {
+                        w0 = _mm256_or_si256(w0, _mm256_and_si256(Q5_TOP(hv, 2 * i), bit4));
+                        w1 = _mm256_or_si256(w1, _mm256_and_si256(Q5_TOP(hv, 2 * i + 1), bit4));
+                    }
+                    for (int r = 0; r < rows; r++) {
+                        const int8_t *a = xq + (g * m_rows + m0 + r) * 32 + 8 * i;
+                        acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(
+                            _mm256_maddubs_epi16(w0, broadcast4(a)), ones));
+                        acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(
+                            _mm256_maddubs_epi16(w1, broadcast4(a + 4)), ones));
+                    }
                 }
             }
             __m256 vsc = _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(

@@ -79,25 +79,26 @@ ALWAYS_INLINE void block_rows(const uint8_t *qs, const int bits, const uint8_t *
                     acc[r] = _mm512_dpbusd_epi32(acc[r], w, _mm512_set1_epi32(a));
                 }
             }
-        }
-        const __m512i hv = bits == 5
-            ? _mm512_loadu_si512((const void *)((const Q5KGroup *)group)->top)
-            : _mm512_setzero_si512();
-        for (int i = 0; i < (bits == 3 ? 0 : 4); i++) {
-            __m512i v = _mm512_loadu_si512((const void *)((const Q4KGroup *)group)->load[i]);
-            __m512i w0 = _mm512_and_si512(v, low);
-            __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-            if (bits == 5) {
-                w0 = _mm512_or_si512(w0, _mm512_and_si512(Q5_TOP(hv, 2 * i), bit4));
-                w1 = _mm512_or_si512(w1, _mm512_and_si512(Q5_TOP(hv, 2 * i + 1), bit4));
-            }
-            for (int r = 0; r < rows; r++) {
-                const int8_t *a = xq + (g * m_rows + m0 + r) * 32 + 8 * i;
-                int32_t a0, a1;
-                memcpy(&a0, a, 4);
-                memcpy(&a1, a + 4, 4);
-                acc[r] = _mm512_dpbusd_epi32(acc[r], w0, _mm512_set1_epi32(a0));
-                acc[r] = _mm512_dpbusd_epi32(acc[r], w1, _mm512_set1_epi32(a1));
+        } else {
+            const __m512i hv = bits == 5
+                ? _mm512_loadu_si512((const void *)((const Q5KGroup *)group)->top)
+                : _mm512_setzero_si512();
+            for (int i = 0; i < 4; i++) {
+                __m512i v = _mm512_loadu_si512((const void *)((const Q4KGroup *)group)->load[i]);
+                __m512i w0 = _mm512_and_si512(v, low);
+                __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                if (bits == 5) {
+                    w0 = _mm512_or_si512(w0, _mm512_and_si512(Q5_TOP(hv, 2 * i), bit4));
+                    w1 = _mm512_or_si512(w1, _mm512_and_si512(Q5_TOP(hv, 2 * i + 1), bit4));
+                }
+                for (int r = 0; r < rows; r++) {
+                    const int8_t *a = xq + (g * m_rows + m0 + r) * 32 + 8 * i;
+                    int32_t a0, a1;
+                    memcpy(&a0, a, 4);
+                    memcpy(&a1, a + 4, 4);
+                    acc[r] = _mm512_dpbusd_epi32(acc[r], w0, _mm512_set1_epi32(a0));
+                    acc[r] = _mm512_dpbusd_epi32(acc[r], w1, _mm512_set1_epi32(a1));
+                }
             }
         }
         __m512 vsc = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(

@@ -223,25 +223,29 @@ def quantize_q3m(weight: torch.Tensor, rows_at_a_time: int = 4096) -> Q3MWeights
 
 def _fit_groups(x: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of x [G, 32]: scale > 0 and low >= 0 with x ~ scale * q - low, q in 0..top
-    (see ``quantize_q3m``)."""
+    (see ``quantize_q3m``). Each candidate's weighted error comes from its sums in closed
+    form, so a candidate costs five passes over x."""
     weight = x.pow(2).mean(-1, keepdim=True).sqrt() + x.abs()
     lo = x.amin(-1, keepdim=True).clamp(max=0.0)
     span = (x.amax(-1, keepdim=True) - lo).clamp(min=1e-30)
     sw, swx = weight.sum(-1, keepdim=True), (weight * x).sum(-1, keepdim=True)
+    swxx = (weight * x * x).sum(-1, keepdim=True)
     best_scale, best_low = span / top, -lo
     best_err = torch.full_like(lo, float("inf"))
     for step in range(Q3M_FIT_STEPS + 1):
         inverse = (top - 1 + 2 * step / Q3M_FIT_STEPS) / span
-        q = torch.round((x - lo) * inverse).clamp(0, top)
-        swq, swqq = (weight * q).sum(-1, keepdim=True), (weight * q * q).sum(-1, keepdim=True)
-        swqx = (weight * q * x).sum(-1, keepdim=True)
+        q = torch.round((x - lo) * inverse).clamp_(0, top)
+        wq = weight * q
+        swq, swqq = wq.sum(-1, keepdim=True), (wq * q).sum(-1, keepdim=True)
+        swqx = (wq * x).sum(-1, keepdim=True)
         det = sw * swqq - swq * swq
         scale = (sw * swqx - swx * swq) / det.clamp(min=1e-30)
         offset = (swqq * swx - swq * swqx) / det.clamp(min=1e-30)  # x ~ scale * q + offset
         above = offset > 0  # a low below 0: refit the scale with the low at 0
         scale = torch.where(above, swqx / swqq.clamp(min=1e-30), scale)
         offset = torch.where(above, torch.zeros_like(offset), offset)
-        err = (weight * (scale * q + offset - x) ** 2).sum(-1, keepdim=True)
+        err = (scale * scale * swqq + offset * offset * sw + swxx + 2 * scale * offset * swq
+               - 2 * scale * swqx - 2 * offset * swx)  # sum of weight * (scale q + offset - x)^2
         better = (err < best_err) & (det > 0) & (scale > 0)
         best_err = torch.where(better, err, best_err)
         best_scale = torch.where(better, scale, best_scale)
