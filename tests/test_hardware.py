@@ -363,7 +363,7 @@ def test_export_vllm(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None
     captured = capsys.readouterr()
     spec = _spec_json(captured.out)
     assert spec["model"] == "Qwen/Qwen2.5-Coder-0.5B-Instruct" and "quantization" not in spec
-    assert "requant-q4k' has no vLLM equivalent" in captured.err
+    assert "requant-q3m' has no vLLM equivalent" in captured.err
     assert "vllm serve Qwen/Qwen2.5-Coder-1.5B-Instruct" in captured.out
 
     ngram = _spec_json(export_vllm(load_preset("cpu-smollm2-ngram")).command)

@@ -33,7 +33,7 @@ from localspec.runtime.kernels.q32_formats import (
 
 ABI_VERSION = 5  # kernels.h's KERNELS_ABI_VERSION
 # KPart kinds (kernels.h): ggml's type numbers for the legacy types, the bits for k-quants;
-# Q3_M (LocalSpec's own, no GGUF type) one past ggml's range
+# Q3_M (LocalSpec's own, no GGUF type) a number outside ggml's range
 KIND_Q4_0, KIND_Q4_K, KIND_Q5_K, KIND_Q6_K, KIND_Q8_0, KIND_Q3_M = 2, 4, 5, 6, 8, 103
 MAX_PARTS = 4  # linear layers side by side in one fused projection
 MAX_HEAD_DIM = 256  # attend_rows' limits

@@ -29,15 +29,9 @@ static int fused_linear(const KFused *f, const float *x, int64_t m, int64_t k, f
     int ok = scratch_make(&s, x, m, k, 1, threads) == 0;
     for (int64_t i = 0, at = 0; ok && i < f->parts; at += f->part[i].n, i++) {
         const KPart *p = &f->part[i];
-        if (p->kind == KIND_Q4_K)
-            q4k_run(&s, m, k, p->t[0], p->t[1], p->t[2], p->t[3], p->t[4], p->n, y + at, width,
-                    threads);
-        else if (p->kind == KIND_Q5_K)
-            q5k_run(&s, m, k, p->t[0], p->t[1], p->t[2], p->t[3], p->t[4], p->n, y + at, width,
-                    threads);
-        else if (p->kind == KIND_Q3_M)
-            q3m_run(&s, m, k, p->t[0], p->t[1], p->t[2], p->t[3], p->t[4], p->n, y + at, width,
-                    threads);
+        if (p->kind == KIND_Q4_K || p->kind == KIND_Q5_K || p->kind == KIND_Q3_M)
+            kquant_run(&s, p->kind == KIND_Q3_M ? 3 : (int)p->kind, m, k, p->t[0], p->t[1],
+                       p->t[2], p->t[3], p->t[4], p->n, y + at, width, threads);
         else if (p->kind == KIND_Q8_0 || p->kind == KIND_Q4_0)
             q32_run(&s, p->kind == KIND_Q8_0 ? 8 : 4, m, k, p->t[0], p->t[1], p->n, y + at,
                     width, threads);

@@ -153,9 +153,9 @@ static_assert(sizeof(Q8Group) == BLOCK_ROWS * GROUP, "Q8Group: 8 bits a weight")
 /* --------------------------------------------------------------------- the decoder stack
  * decoder_forward's arguments: every layer's fused projections (a KPart's kind and its packed
  * tensors in t[], in the order of the product's arguments below: Q4_K qs, sc, mn, d, dmin;
- * Q5_K and Q3_M the same; Q6_K qs, qh, sc, d; Q8_0 and Q4_0 qs, d), the model's shape, and one call's
- * rows. The kinds are ggml's type numbers for the legacy types; Q3_M, which ggml does not
- * have, takes one past its range. */
+ * Q5_K and Q3_M the same; Q6_K qs, qh, sc, d; Q8_0 and Q4_0 qs, d), the model's shape, and
+ * one call's rows. The kinds are ggml's type numbers for the legacy types, the bits for
+ * k-quants; Q3_M, which ggml does not have, takes a number outside ggml's range. */
 enum { KIND_Q4_0 = 2, KIND_Q4_K = 4, KIND_Q5_K = 5, KIND_Q6_K = 6, KIND_Q8_0 = 8,
        KIND_Q3_M = 103 };
 #define MAX_PARTS 4     /* linear layers side by side in one fused projection */
@@ -257,18 +257,13 @@ typedef struct { int8_t *xq; float *xs, *xsum; int32_t *xsum16; } Scratch;
 int scratch_make(Scratch *s, const float *x, int64_t m_rows, int64_t k, int with_sums16,
                  int threads);
 void scratch_free(Scratch *s);
-/* y [m_rows, n] (rows ldy apart) = the quantized rows of s times the packed weights. */
-void q4k_run(const Scratch *s, int64_t m_rows, int64_t k, const uint8_t *qs, const uint8_t *sc,
-             const uint8_t *mn, const float *d, const float *dmin, int64_t n, float *y,
-             int64_t ldy, int threads);
+/* y [m_rows, n] (rows ldy apart) = the quantized rows of s times the packed weights: Q4_K,
+ * Q5_K or Q3_M (bits 4, 5 or 3). */
+void kquant_run(const Scratch *s, int bits, int64_t m_rows, int64_t k, const uint8_t *qs,
+                const uint8_t *sc, const uint8_t *mn, const float *d, const float *dmin,
+                int64_t n, float *y, int64_t ldy, int threads);
 void q6k_run(const Scratch *s, int64_t m_rows, int64_t k, const uint8_t *qs, const uint8_t *qh,
              const int8_t *sc, const float *d, int64_t n, float *y, int64_t ldy, int threads);
-void q5k_run(const Scratch *s, int64_t m_rows, int64_t k, const uint8_t *qs, const uint8_t *sc,
-             const uint8_t *mn, const float *d, const float *dmin, int64_t n, float *y,
-             int64_t ldy, int threads);
-void q3m_run(const Scratch *s, int64_t m_rows, int64_t k, const uint8_t *qs, const uint8_t *sc,
-             const uint8_t *mn, const float *d, const float *dmin, int64_t n, float *y,
-             int64_t ldy, int threads);
 /* Q8_0 (bits 8) or Q4_0 (bits 4). */
 void q32_run(const Scratch *s, int bits, int64_t m_rows, int64_t k, const uint8_t *qs,
              const float *d, int64_t n, float *y, int64_t ldy, int threads);

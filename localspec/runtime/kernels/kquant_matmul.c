@@ -93,34 +93,26 @@ void scratch_free(Scratch *s) {
         }                                                                                   \
     }
 
-void q4k_run(const Scratch *s, int64_t m_rows, int64_t k, const uint8_t *qs, const uint8_t *sc,
-             const uint8_t *mn, const float *d, const float *dmin, int64_t n, float *y,
-             int64_t ldy, int threads) {
+void kquant_run(const Scratch *s, int bits, int64_t m_rows, int64_t k, const uint8_t *qs,
+                const uint8_t *sc, const uint8_t *mn, const float *d, const float *dmin,
+                int64_t n, float *y, int64_t ldy, int threads) {
     (void)threads;
-#define Q4(R) case R: block_rows(qs, 4, sc, mn, d, dmin, s->xq, s->xs, s->xsum, y, b, m0, R, \
-                                 ldy, k, m_rows); break;
-    FOR_BLOCKS(Q4)
-#undef Q4
-}
-
-void q5k_run(const Scratch *s, int64_t m_rows, int64_t k, const uint8_t *qs, const uint8_t *sc,
-             const uint8_t *mn, const float *d, const float *dmin, int64_t n, float *y,
-             int64_t ldy, int threads) {
-    (void)threads;
-#define Q5(R) case R: block_rows(qs, 5, sc, mn, d, dmin, s->xq, s->xs, s->xsum, y, b, m0, R, \
-                                 ldy, k, m_rows); break;
-    FOR_BLOCKS(Q5)
-#undef Q5
-}
-
-void q3m_run(const Scratch *s, int64_t m_rows, int64_t k, const uint8_t *qs, const uint8_t *sc,
-             const uint8_t *mn, const float *d, const float *dmin, int64_t n, float *y,
-             int64_t ldy, int threads) {
-    (void)threads;
-#define Q3(R) case R: block_rows(qs, 3, sc, mn, d, dmin, s->xq, s->xs, s->xsum, y, b, m0, R, \
-                                 ldy, k, m_rows); break;
-    FOR_BLOCKS(Q3)
+#define KQ(R, BITS) case R: block_rows(qs, BITS, sc, mn, d, dmin, s->xq, s->xs, s->xsum, y, b, \
+                                       m0, R, ldy, k, m_rows); break;
+#define Q4(R) KQ(R, 4)
+#define Q5(R) KQ(R, 5)
+#define Q3(R) KQ(R, 3)
+    if (bits == 4) {
+        FOR_BLOCKS(Q4)
+    } else if (bits == 5) {
+        FOR_BLOCKS(Q5)
+    } else {
+        FOR_BLOCKS(Q3)
+    }
 #undef Q3
+#undef Q5
+#undef Q4
+#undef KQ
 }
 
 void q32_run(const Scratch *s, int bits, int64_t m_rows, int64_t k, const uint8_t *qs,
@@ -148,14 +140,32 @@ void q6k_run(const Scratch *s, int64_t m_rows, int64_t k, const uint8_t *qs, con
 #undef Q6
 }
 
+static int kquant_linear(int bits, const float *x, int64_t m_rows, int64_t k,
+                         const uint8_t *qs, const uint8_t *sc, const uint8_t *mn, const float *d,
+                         const float *dmin, int64_t n, float *y, int threads) {
+    Scratch s;
+    int ok = scratch_make(&s, x, m_rows, k, 0, threads) == 0;
+    if (ok) kquant_run(&s, bits, m_rows, k, qs, sc, mn, d, dmin, n, y, n, threads);
+    scratch_free(&s);
+    return ok ? 0 : -1;
+}
+
 int q4k_linear(const float *x, int64_t m_rows, int64_t k, const uint8_t *qs, const uint8_t *sc,
                const uint8_t *mn, const float *d, const float *dmin, int64_t n, float *y,
                int threads) {
-    Scratch s;
-    int ok = scratch_make(&s, x, m_rows, k, 0, threads) == 0;
-    if (ok) q4k_run(&s, m_rows, k, qs, sc, mn, d, dmin, n, y, n, threads);
-    scratch_free(&s);
-    return ok ? 0 : -1;
+    return kquant_linear(4, x, m_rows, k, qs, sc, mn, d, dmin, n, y, threads);
+}
+
+int q5k_linear(const float *x, int64_t m_rows, int64_t k, const uint8_t *qs, const uint8_t *sc,
+               const uint8_t *mn, const float *d, const float *dmin, int64_t n, float *y,
+               int threads) {
+    return kquant_linear(5, x, m_rows, k, qs, sc, mn, d, dmin, n, y, threads);
+}
+
+int q3m_linear(const float *x, int64_t m_rows, int64_t k, const uint8_t *qs, const uint8_t *sc,
+               const uint8_t *mn, const float *d, const float *dmin, int64_t n, float *y,
+               int threads) {
+    return kquant_linear(3, x, m_rows, k, qs, sc, mn, d, dmin, n, y, threads);
 }
 
 int q6k_linear(const float *x, int64_t m_rows, int64_t k, const uint8_t *qs, const uint8_t *qh,
@@ -163,26 +173,6 @@ int q6k_linear(const float *x, int64_t m_rows, int64_t k, const uint8_t *qs, con
     Scratch s;
     int ok = scratch_make(&s, x, m_rows, k, 1, threads) == 0;
     if (ok) q6k_run(&s, m_rows, k, qs, qh, sc, d, n, y, n, threads);
-    scratch_free(&s);
-    return ok ? 0 : -1;
-}
-
-int q5k_linear(const float *x, int64_t m_rows, int64_t k, const uint8_t *qs, const uint8_t *sc,
-               const uint8_t *mn, const float *d, const float *dmin, int64_t n, float *y,
-               int threads) {
-    Scratch s;
-    int ok = scratch_make(&s, x, m_rows, k, 0, threads) == 0;
-    if (ok) q5k_run(&s, m_rows, k, qs, sc, mn, d, dmin, n, y, n, threads);
-    scratch_free(&s);
-    return ok ? 0 : -1;
-}
-
-int q3m_linear(const float *x, int64_t m_rows, int64_t k, const uint8_t *qs, const uint8_t *sc,
-               const uint8_t *mn, const float *d, const float *dmin, int64_t n, float *y,
-               int threads) {
-    Scratch s;
-    int ok = scratch_make(&s, x, m_rows, k, 0, threads) == 0;
-    if (ok) q3m_run(&s, m_rows, k, qs, sc, mn, d, dmin, n, y, n, threads);
     scratch_free(&s);
     return ok ? 0 : -1;
 }

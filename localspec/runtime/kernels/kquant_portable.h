@@ -81,8 +81,8 @@ ALWAYS_INLINE void unpack_q3(const Q3MGroup *group, int16_t w[16][GROUP]) {
 }
 
 /* Q4_K (bits 4), Q5_K (bits 5, qs holding Q5KGroups) or Q3_M (bits 3, Q3MGroups): rows
- * m0..m0+rows-1 of block b, 16 outputs each. Per group and output lane: the exact int sum of q * xq, then
- * out = fma(sum, d * sc * xs, out) and out = fma(-(dmin * mn), xsum, out). */
+ * m0..m0+rows-1 of block b, 16 outputs each. Per group and output lane: the exact int sum of
+ * q * xq, then out = fma(sum, d * sc * xs, out) and out = fma(-(dmin * mn), xsum, out). */
 ALWAYS_INLINE void block_rows(const uint8_t *qs, const int bits, const uint8_t *sc,
                               const uint8_t *mn, const float *d, const float *dmin,
                               const int8_t *xq, const float *xs, const float *xsum, float *y,
