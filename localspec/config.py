@@ -63,9 +63,8 @@ RENAMED_QUANTIZATIONS = {"w4a8-requant": "requant-q4k"}  # names a preset may st
 Quantization = Annotated[QuantizationName, BeforeValidator(
     lambda value: RENAMED_QUANTIZATIONS.get(value, value) if isinstance(value, str) else value)]
 # Served by the CPU forward (runtime.decoder): "w8a8" int8 weights, per-token int8 activations;
-# "w4a8" a GGUF's matrices of NATIVE_GGUF_TYPES as stored (others w8a8); "requant-q4k" every
-# layer matrix requantized to Q4_K, "requant-q3m" to 3 bits (Q3_M, a fifth fewer bytes than
-# Q4_K): lossy against the file, for drafts, which only guess.
+# "w4a8" a GGUF's matrices of NATIVE_GGUF_TYPES as stored (others w8a8); "requant-q4k" / "-q3m"
+# every layer matrix in Q4_K / Q3_M (3 bits): lossy against the file, for drafts, which guess.
 CPU_QUANTIZATIONS: tuple[str, ...] = ("w8a8", "w4a8", "requant-q4k", "requant-q3m")
 HARDWARE: tuple[str, ...] = get_args(HardwareClass)
 HARDWARE_LABELS = {"cpu": "CPU", "gpu-8gb": "GPU 8 GB", "gpu-12gb": "GPU 12 GB",

@@ -29,7 +29,7 @@ from localspec.models.loading import ModelLoadError, check_same_tokenizer, load_
 from localspec.pipeline import Pipeline
 from localspec.presets import load_preset
 from localspec.runtime.kernels import KernelUnavailable, load_kernels
-from localspec.runtime.quant import Q4KLinear, Q6KLinear
+from localspec.runtime.quant import Q3MLinear, Q4KLinear, Q6KLinear
 from localspec.runtime.weight_formats import ConcatLinear
 
 pytestmark = pytest.mark.real_model
@@ -49,7 +49,7 @@ def smollm() -> Pipeline:
 def test_default_pair_serves_the_files_q4k_matrices(qwen_pair: Pipeline) -> None:
     """w4a8 takes the GGUF's Q4_K and Q6_K matrices where they are (every layer's gate/up;
     down in Q4_K in half the layers and Q6_K in the other half; q/k beside a Q6_K v there),
-    not a silent int8 fallback; the draft is all 4-bit."""
+    not a silent int8 fallback; the draft is all 3-bit (Q3_M)."""
     try:
         load_kernels(kernel_dir())
     except KernelUnavailable as exc:
@@ -62,12 +62,12 @@ def test_default_pair_serves_the_files_q4k_matrices(qwen_pair: Pipeline) -> None
     mixed = [layer.qkv for layer in layers if isinstance(layer.qkv, ConcatLinear)]
     assert len(mixed) == len(layers) // 2
     assert all([type(p) for p in qkv.parts] == [Q4KLinear, Q6KLinear] for qkv in mixed)
-    assert all(type(layer.o) is Q4KLinear for layer in qwen_pair.draft.decoder.layers)
-    assert all(type(layer.down) is Q4KLinear for layer in qwen_pair.draft.decoder.layers)
+    assert all(type(getattr(layer, name)) is Q3MLinear for layer in qwen_pair.draft.decoder.layers
+               for name in ("qkv", "o", "gate_up", "down"))
 
 
 def test_default_pair_greedy_equal_on_real_models(qwen_pair: Pipeline) -> None:
-    """w4a8 target + 4-bit 0.5B draft: draft_model and ngram give the target's own greedy
+    """w4a8 target + 3-bit 0.5B draft: draft_model and ngram give the target's own greedy
     tokens, bit for bit (a verify pass computes each row exactly as a one-token step does)."""
     prompts = [p for p in load_prompts(None)
                if p["category"] in ("code generation", "code editing")]
