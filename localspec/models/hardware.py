@@ -134,7 +134,8 @@ def weight_bytes(arch: Architecture, quantization: str = "none", dtype: str = "a
     its LM head is held twice in int8 (packed for oneDNN, and plain for cutting a draft's rows):
     as many bytes as a bfloat16 head, on top of the embeddings even when they were tied. w4a8
     keeps a GGUF's Q4_K and Q6_K matrices as they are (4.5 bits a weight counted for every
-    linear layer; a Q4_K_M file's Q6_K ones read 6.6) and is otherwise w8a8."""
+    linear layer; a Q4_K_M file's Q6_K ones read 6.6) and is otherwise w8a8; requant-q3m
+    counts Q3_M as packed, 3.75 bits a weight."""
     counts = count_parameters(arch)
     unit = DTYPE_BYTES.get(dtype, 2)
     other = counts.other * unit
@@ -151,8 +152,8 @@ def weight_bytes(arch: Architecture, quantization: str = "none", dtype: str = "a
         return counts.linear + counts.linear_rows * 4 + other + tied_head
     if quantization in ("w4a8", "requant-q4k"):
         return counts.linear * 9 // 16 + other + tied_head
-    if quantization == "requant-q3m":  # 3.75 bits a weight against Q4_K's 4.75
-        return counts.linear * 9 * 15 // (16 * 19) + other + tied_head
+    if quantization == "requant-q3m":  # 3.75 bits a weight, as packed
+        return counts.linear * 15 // 32 + other + tied_head
     raise HardwareError(f"no size rule for quantization '{quantization}'")
 
 
