@@ -8,8 +8,9 @@ variant patches one of the engine's constants (``--variants``: ``margin0`` sets
 ``adaptive.DRAFT_MARGIN`` to 0, ``probe2`` the first probe interval to 2, ``noski`` stops
 pricing a drafter's catch-up in ``DrafterChoice``, ``tau0.8`` sets each model-based drafter's
 ``confidence_threshold`` to 0.8, ``pw4`` weighs a drafter's kept share over earlier requests as 4
-steps of this answer's (``choice.LEARNT_PRIOR_WEIGHT``), ``nolearnt`` leaves that prior out;
-joined with ``+``).
+steps of this answer's (``choice.LEARNT_PRIOR_WEIGHT``), ``nolearnt`` leaves that prior out,
+``rent3`` and ``allow6`` set ``choice.CATCH_UP_RENT`` and ``CATCH_UP_ALLOWANCE`` (``rent1+allow0``:
+the whole lost step as rent, no allowance); joined with ``+``).
 
 Without ``--noise`` the clock has none, and noise is what ``DRAFT_MARGIN`` and the stall guards
 exist for; ``--noise SIGMA`` multiplies the cost of each step's forward (not a prefill's) by a
@@ -115,6 +116,8 @@ def apply(variant: str, defaults: dict[str, Any]) -> float | None:
     adaptive.FIRST_PROBE_INTERVAL = defaults["probe"]
     choice.DrafterChoice.order = defaults["order"]
     choice.LEARNT_PRIOR_WEIGHT = defaults["weight"]
+    choice.CATCH_UP_RENT = defaults["rent"]
+    choice.CATCH_UP_ALLOWANCE = defaults["allowance"]
     Calibration.kept_share = defaults["share"]
     for part in variant.split("+"):
         if part.startswith("margin"):
@@ -125,6 +128,10 @@ def apply(variant: str, defaults: dict[str, Any]) -> float | None:
             choice.DrafterChoice.order = partialmethod(_order_free, defaults["order"])
         elif part.startswith("pw"):
             choice.LEARNT_PRIOR_WEIGHT = float(part.removeprefix("pw"))
+        elif part.startswith("allow"):
+            choice.CATCH_UP_ALLOWANCE = float(part.removeprefix("allow"))
+        elif part.startswith("rent"):
+            choice.CATCH_UP_RENT = float(part.removeprefix("rent"))
         elif part == "nolearnt":
             Calibration.kept_share = lambda self: None
         elif part.startswith("tau"):
@@ -157,7 +164,8 @@ def main() -> int:
     encoded = {name: encode_prompts(pipe, rows, args.tokens) for name, rows in sets.items()}
     defaults = {"margin": adaptive.DRAFT_MARGIN, "probe": adaptive.FIRST_PROBE_INTERVAL,
                 "order": choice.DrafterChoice.order,
-                "weight": choice.LEARNT_PRIOR_WEIGHT, "share": Calibration.kept_share}
+                "weight": choice.LEARNT_PRIOR_WEIGHT, "rent": choice.CATCH_UP_RENT,
+                "allowance": choice.CATCH_UP_ALLOWANCE, "share": Calibration.kept_share}
     undo = clock.install()
 
     def clocked(ids: list[int], method: str) -> float:

@@ -1,48 +1,61 @@
 """A drafter behind the context (a draft model that has not read the prompt yet) waits while a
-measured drafter pays, until the steps that kept no draft have cost as much as its catch-up
-(``engine.choice``), and a draft model tells its backlog and times its catch-up."""
+measured drafter pays, until the steps that kept no draft have paid ``CATCH_UP_RENT`` times its
+catch-up beyond ``CATCH_UP_ALLOWANCE`` plain steps (``engine.choice``), and a draft model tells
+its backlog and times its catch-up."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import collect, decode, draft_drafter
 from engine_helpers import Gate, plain_tokens, request
 from transformers import PreTrainedModel
 
+import localspec.engine.choice as choice_module
 from localspec.drafters.multi import MultiDrafter
-from localspec.engine.choice import Attempt, DrafterChoice
+from localspec.engine.choice import CATCH_UP_ALLOWANCE, CATCH_UP_RENT, Attempt, DrafterChoice
 from localspec.engine.engine import SpeculativeEngine
 from localspec.runtime.runner import ModelRunner
 from localspec.sampling import SamplingParams
 
+PASS = 0.1  # seconds of every target pass below, whatever its width
+
 
 def first_step(choice: DrafterChoice, catch_up: list[float]) -> None:
-    """Drafter 0 drafts 4 tokens, all kept, at a tenth of a pass a token."""
+    """Drafter 0 drafts 4 tokens, all kept, at a fortieth of a pass a token."""
     assert asked(choice, catch_up)[0] == 0
     choice.asked(Attempt(0, 4))
-    choice.record(0, 4, 4, {0: 0.004}, 0.01)
+    choice.record(0, 4, 4, {0: 0.01}, PASS)
 
 
 def asked(choice: DrafterChoice, catch_up: list[float]) -> list[int]:
     return [a.index for a in choice.order([False, False], catch_up)]
 
 
-def test_a_behind_drafter_waits_until_the_losses_reach_its_catch_up() -> None:
-    """Drafter 1 would take 0.45 s to catch up: while drafter 0 pays it is not asked; each
-    step that kept nothing (0.1 s) adds to the losses, and at the fifth it is asked, first
-    (nothing is known of it yet)."""
-    choice, catch_up = DrafterChoice(2, k_max=4), [0.0, 0.45]
+def test_a_behind_drafter_waits_until_the_rent_paid_reaches_its_catch_up() -> None:
+    """Drafter 1's catch-up is 0.15 s beyond the allowance: while drafter 0 pays it is not
+    asked; each step that kept nothing (0.1 s) adds to the rent, and once that reaches
+    CATCH_UP_RENT times 0.15 s (at the fifth) it is asked, first (nothing is known of it yet)."""
+    beyond = 0.45 / CATCH_UP_RENT
+    choice, catch_up = DrafterChoice(2, k_max=4), [0.0, CATCH_UP_ALLOWANCE * PASS + beyond]
     first_step(choice, catch_up)
     for _ in range(4):
         assert asked(choice, catch_up) == [0]
         choice.asked(Attempt(0, 4))
-        choice.record(None, 0, 0, {0: 0.0}, 0.1)  # drafter 0 had nothing: a plain step
+        choice.record(None, 0, 0, {0: 0.0}, PASS)  # drafter 0 had nothing: a plain step
     assert asked(choice, catch_up) == [0]
     choice.asked(Attempt(0, 4))
-    choice.record(0, 4, 3, {0: 0.004}, 0.1)  # kept some: no loss
+    choice.record(0, 4, 3, {0: 0.01}, PASS)  # kept some: no loss
     assert asked(choice, catch_up) == [0]
     choice.asked(Attempt(0, 4))
-    choice.record(None, 0, 0, {0: 0.0}, 0.1)
+    choice.record(None, 0, 0, {0: 0.0}, PASS)
+    assert asked(choice, catch_up) == [1, 0]
+
+
+def test_a_catch_up_within_the_allowance_is_paid_at_once() -> None:
+    """A short prompt's catch-up (a chat request's) costs less than waiting for it would."""
+    choice, catch_up = DrafterChoice(2, k_max=4), [0.0, (CATCH_UP_ALLOWANCE - 1) * PASS]
+    first_step(choice, catch_up)
     assert asked(choice, catch_up) == [1, 0]
 
 
@@ -61,14 +74,17 @@ def test_a_behind_drafter_is_asked_once_no_measured_drafter_pays() -> None:
         if 1 in order:
             break
         choice.asked(Attempt(0, 4))
-        choice.record(0, 4, 0, {0: 0.004}, 0.01)
+        choice.record(0, 4, 0, {0: 0.01}, PASS)
     assert order == [1]
 
 
 def test_the_draft_model_never_reads_the_prompt_while_another_drafter_keeps_everything(
-        target_runner: ModelRunner, close_draft_model: PreTrainedModel) -> None:
+        target_runner: ModelRunner, close_draft_model: PreTrainedModel,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Before the choice priced the catch-up, the unmeasured draft model was asked at the
-    second step and read the whole prompt for nothing."""
+    second step and read the whole prompt for nothing. (No allowance here: these tiny models
+    read a whole prompt within one.)"""
+    monkeypatch.setattr(choice_module, "CATCH_UP_ALLOWANCE", 0.0)
     prompt = [(7 * i + 3) % 64 for i in range(48)]
     reference = plain_tokens(target_runner.model, prompt, max_new_tokens=60)
     draft = draft_drafter(close_draft_model)
