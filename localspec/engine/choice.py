@@ -33,7 +33,7 @@ for a smaller model. Where the drafters that run do well, a costly catch-up neve
 summary prompt, once the 0.5B had read its 179 prompt tokens, its confident chains took steps
 that lookup would have copied for free. Priced as the whole lost step with no allowance, the
 virtual clock (``scripts/policy_clock.py``, 22 prompts) gave 1.321x; with rent and allowance
-1.362x, the summary 1.40 -> 1.71x and no prompt slower (docs/benchmarks.md).
+1.362x, the summary 1.40 -> 1.71x and no bench prompt slower (docs/benchmarks.md).
 
 The engine asks them in that order and takes the first proposal that has tokens: a drafter
 that has nothing to offer (lookup without a match) costs almost nothing and cedes the step.
