@@ -41,6 +41,27 @@ ALWAYS_INLINE __m256i broadcast4(const int8_t *a) {
 #define Q5_TOP(hv, o) ((o) < 4 ? _mm256_slli_epi16(hv, 4 - (o)) : \
                        (o) == 4 ? (hv) : _mm256_srli_epi16(hv, (o) - 4))
 
+/* acc[r] += w's 8 outputs dotted with the 4 int8 inputs at x + 32 r, for each of ``rows`` rows
+ * (an operand's inputs for consecutive rows of the quantized activations lie 32 apart). */
+ALWAYS_INLINE void dot_rows(__m256i *acc, __m256i w, const int8_t *x, int rows) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int r = 0; r < rows; r++)
+        acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(
+            _mm256_maddubs_epi16(w, broadcast4(x + 32 * r)), ones));
+}
+
+/* ``dot_rows`` of two operands whose inputs lie 4 apart (the low and high nibbles of one load),
+ * both in each row's turn. */
+ALWAYS_INLINE void dot_rows2(__m256i *acc, __m256i w0, __m256i w1, const int8_t *x, int rows) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int r = 0; r < rows; r++) {
+        acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(
+            _mm256_maddubs_epi16(w0, broadcast4(x + 32 * r)), ones));
+        acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(
+            _mm256_maddubs_epi16(w1, broadcast4(x + 32 * r + 4)), ones));
+    }
+}
+
 /* Q3_M's operand o (see kquant_avx512.h). */
 ALWAYS_INLINE __m256i q3_operand(__m256i v, __m256i hv, int o) {
     const __m256i t = o < 2 ? _mm256_slli_epi16(hv, 2 - o) : o == 2 ? hv
@@ -60,7 +81,7 @@ ALWAYS_INLINE void block_rows(const uint8_t *qs, const int bits, const uint8_t *
     const int64_t groups = k / GROUP, supers = (groups + 7) / 8;
     const size_t stride = bits == 5 ? sizeof(Q5KGroup)
                           : bits == 3 ? sizeof(Q3MGroup) : sizeof(Q4KGroup);
-    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i low = _mm256_set1_epi8(0x0F);
     const __m256i bit4 = _mm256_set1_epi8(0x10);
     for (int h = 0; h < 2; h++) {
         __m256 out[ROWS_PER_PASS];
@@ -84,9 +105,7 @@ ALWAYS_INLINE void block_rows(const uint8_t *qs, const int bits, const uint8_t *
                 for (int o = 0; o < 8; o++) {
                     const __m256i w = q3_operand(
                         _mm256_loadu_si256((const void *)(g3->load[o / 4] + h * 32)), hv, o);
-                    for (int r = 0; r < rows; r++)
-                        acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(
-                            w, broadcast4(xq + (g * m_rows + m0 + r) * 32 + 4 * o)), ones));
+                    dot_rows(acc, w, xq + (g * m_rows + m0) * 32 + 4 * o, rows);
                 }
             } else {
                 const __m256i hv = bits == 5
@@ -101,13 +120,7 @@ ALWAYS_INLINE void block_rows(const uint8_t *qs, const int bits, const uint8_t *
                         w0 = _mm256_or_si256(w0, _mm256_and_si256(Q5_TOP(hv, 2 * i), bit4));
                         w1 = _mm256_or_si256(w1, _mm256_and_si256(Q5_TOP(hv, 2 * i + 1), bit4));
                     }
-                    for (int r = 0; r < rows; r++) {
-                        const int8_t *a = xq + (g * m_rows + m0 + r) * 32 + 8 * i;
-                        acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(
-                            _mm256_maddubs_epi16(w0, broadcast4(a)), ones));
-                        acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(
-                            _mm256_maddubs_epi16(w1, broadcast4(a + 4)), ones));
-                    }
+                    dot_rows2(acc, w0, w1, xq + (g * m_rows + m0) * 32 + 8 * i, rows);
                 }
             }
             __m256 vsc = _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
@@ -190,7 +203,6 @@ ALWAYS_INLINE void q6_block_rows(
         int64_t m0, int rows, int64_t ldy, int64_t k, int64_t m_rows) {
     const int64_t groups = k / GROUP, supers = (groups + 7) / 8;
     const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
-    const __m256i ones = _mm256_set1_epi16(1);
     const Q4KGroup *wq = (const Q4KGroup *)qs + b * groups;
     const Q6KTop *wh = (const Q6KTop *)qh + b * groups;
     for (int h = 0; h < 2; h++) {
@@ -214,13 +226,7 @@ ALWAYS_INLINE void q6_block_rows(
                                                  _mm256_and_si256(Q6_TOP(hv, 4 * ii), top));
                     __m256i w1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
                                                  _mm256_and_si256(Q6_TOP(hv, 4 * ii + 2), top));
-                    for (int r = 0; r < rows; r++) {
-                        const int8_t *a = xq + (g * m_rows + m0 + r) * 32 + 8 * i;
-                        acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(
-                            _mm256_maddubs_epi16(w0, broadcast4(a)), ones));
-                        acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(
-                            _mm256_maddubs_epi16(w1, broadcast4(a + 4)), ones));
-                    }
+                    dot_rows2(acc, w0, w1, xq + (g * m_rows + m0) * 32 + 8 * i, rows);
                 }
                 __m256 vsc = _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
                     _mm_loadl_epi64((const void *)(wsc + (2 * g + t) * 16)))));

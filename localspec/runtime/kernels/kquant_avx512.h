@@ -25,6 +25,28 @@ ALWAYS_INLINE float quantize_group(const float *src, int8_t *dst, int32_t sums[2
     return amax;
 }
 
+/* acc[r] += w's 16 outputs dotted with the 4 int8 inputs at x + 32 r, for each of ``rows``
+ * rows (an operand's inputs for consecutive rows of the quantized activations lie 32 apart). */
+ALWAYS_INLINE void dot_rows(__m512i *acc, __m512i w, const int8_t *x, int rows) {
+    for (int r = 0; r < rows; r++) {
+        int32_t a;
+        memcpy(&a, x + 32 * r, 4);
+        acc[r] = _mm512_dpbusd_epi32(acc[r], w, _mm512_set1_epi32(a));
+    }
+}
+
+/* ``dot_rows`` of two operands whose inputs lie 4 apart (the low and high nibbles of one load),
+ * both in each row's turn. */
+ALWAYS_INLINE void dot_rows2(__m512i *acc, __m512i w0, __m512i w1, const int8_t *x, int rows) {
+    for (int r = 0; r < rows; r++) {
+        int32_t a0, a1;
+        memcpy(&a0, x + 32 * r, 4);
+        memcpy(&a1, x + 32 * r + 4, 4);
+        acc[r] = _mm512_dpbusd_epi32(acc[r], w0, _mm512_set1_epi32(a0));
+        acc[r] = _mm512_dpbusd_epi32(acc[r], w1, _mm512_set1_epi32(a1));
+    }
+}
+
 /* Q5_K's fifth bit of operand o (bit o of each top byte) moved to bit 4. */
 #define Q5_TOP(hv, o) ((o) < 4 ? _mm512_slli_epi16(hv, 4 - (o)) : \
                        (o) == 4 ? (hv) : _mm512_srli_epi16(hv, (o) - 4))
@@ -73,11 +95,7 @@ ALWAYS_INLINE void block_rows(const uint8_t *qs, const int bits, const uint8_t *
             for (int o = 0; o < 8; o++) {
                 const __m512i w = q3_operand(
                     _mm512_loadu_si512((const void *)g3->load[o / 4]), hv, o);
-                for (int r = 0; r < rows; r++) {
-                    int32_t a;
-                    memcpy(&a, xq + (g * m_rows + m0 + r) * 32 + 4 * o, 4);
-                    acc[r] = _mm512_dpbusd_epi32(acc[r], w, _mm512_set1_epi32(a));
-                }
+                dot_rows(acc, w, xq + (g * m_rows + m0) * 32 + 4 * o, rows);
             }
         } else {
             const __m512i hv = bits == 5
@@ -91,14 +109,7 @@ ALWAYS_INLINE void block_rows(const uint8_t *qs, const int bits, const uint8_t *
                     w0 = _mm512_or_si512(w0, _mm512_and_si512(Q5_TOP(hv, 2 * i), bit4));
                     w1 = _mm512_or_si512(w1, _mm512_and_si512(Q5_TOP(hv, 2 * i + 1), bit4));
                 }
-                for (int r = 0; r < rows; r++) {
-                    const int8_t *a = xq + (g * m_rows + m0 + r) * 32 + 8 * i;
-                    int32_t a0, a1;
-                    memcpy(&a0, a, 4);
-                    memcpy(&a1, a + 4, 4);
-                    acc[r] = _mm512_dpbusd_epi32(acc[r], w0, _mm512_set1_epi32(a0));
-                    acc[r] = _mm512_dpbusd_epi32(acc[r], w1, _mm512_set1_epi32(a1));
-                }
+                dot_rows2(acc, w0, w1, xq + (g * m_rows + m0) * 32 + 8 * i, rows);
             }
         }
         __m512 vsc = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(
@@ -143,11 +154,7 @@ ALWAYS_INLINE void q32_block_rows(const uint8_t *qs, const int bits, const float
                 const __m512i v = _mm512_loadu_si512((const void *)(group + 64 * (o / 2)));
                 w = _mm512_and_si512(o % 2 ? _mm512_srli_epi16(v, 4) : v, low);
             }
-            for (int r = 0; r < rows; r++) {
-                int32_t a;
-                memcpy(&a, xq + (g * m_rows + m0 + r) * 32 + 4 * o, 4);
-                acc[r] = _mm512_dpbusd_epi32(acc[r], w, _mm512_set1_epi32(a));
-            }
+            dot_rows(acc, w, xq + (g * m_rows + m0) * 32 + 4 * o, rows);
         }
         const __m512 vd = _mm512_loadu_ps(wd + g * 16);
         for (int r = 0; r < rows; r++) {
@@ -196,14 +203,7 @@ ALWAYS_INLINE void q6_block_rows(
                                              _mm512_and_si512(Q6_TOP(hv, 4 * ii), top));
                 __m512i w1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low),
                                              _mm512_and_si512(Q6_TOP(hv, 4 * ii + 2), top));
-                for (int r = 0; r < rows; r++) {
-                    const int8_t *a = xq + (g * m_rows + m0 + r) * 32 + 8 * i;
-                    int32_t a0, a1;
-                    memcpy(&a0, a, 4);
-                    memcpy(&a1, a + 4, 4);
-                    acc[r] = _mm512_dpbusd_epi32(acc[r], w0, _mm512_set1_epi32(a0));
-                    acc[r] = _mm512_dpbusd_epi32(acc[r], w1, _mm512_set1_epi32(a1));
-                }
+                dot_rows2(acc, w0, w1, xq + (g * m_rows + m0) * 32 + 8 * i, rows);
             }
             __m512 vsc = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                 _mm_loadu_si128((const void *)(wsc + (2 * g + t) * 16)))));
