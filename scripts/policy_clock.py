@@ -10,7 +10,9 @@ pricing a drafter's catch-up in ``DrafterChoice``, ``tau0.8`` sets each model-ba
 ``confidence_threshold`` to 0.8, ``pw4`` weighs a drafter's kept share over earlier requests as 4
 steps of this answer's (``choice.LEARNT_PRIOR_WEIGHT``), ``nolearnt`` leaves that prior out,
 ``rent3`` and ``allow6`` set ``choice.CATCH_UP_RENT`` and ``CATCH_UP_ALLOWANCE`` (``rent1+allow0``:
-the whole lost step as rent, no allowance); joined with ``+``).
+the whole lost step as rent, no allowance), ``long12`` sets ``ngram.LONG_MATCH`` (``long0``: no
+second grade of lookup's evidence), ``copy0.9`` and ``copyw4`` the prior of that grade's
+estimator (``choice.LONG_COPY_PRIOR``, ``LONG_COPY_WEIGHT``); joined with ``+``).
 
 Without ``--noise`` the clock has none, and noise is what ``DRAFT_MARGIN`` and the stall guards
 exist for; ``--noise SIGMA`` multiplies the cost of each step's forward (not a prefill's) by a
@@ -37,6 +39,7 @@ import localspec.drafters.draft_model as draft_model
 import localspec.engine.adaptive as adaptive
 import localspec.engine.choice as choice
 import localspec.engine.engine as engine
+from localspec.drafters import ngram
 from localspec.drafters.base import Calibration
 from localspec.pipeline import Pipeline
 from localspec.presets import load_preset
@@ -119,6 +122,8 @@ def apply(variant: str, defaults: dict[str, Any]) -> float | None:
     choice.CATCH_UP_RENT = defaults["rent"]
     choice.CATCH_UP_ALLOWANCE = defaults["allowance"]
     Calibration.kept_share = defaults["share"]
+    ngram.LONG_MATCH = defaults["long"]
+    choice.LONG_COPY_PRIOR, choice.LONG_COPY_WEIGHT = defaults["copy"], defaults["copyw"]
     for part in variant.split("+"):
         if part.startswith("margin"):
             adaptive.DRAFT_MARGIN = float(part.removeprefix("margin"))
@@ -134,6 +139,12 @@ def apply(variant: str, defaults: dict[str, Any]) -> float | None:
             choice.CATCH_UP_RENT = float(part.removeprefix("rent"))
         elif part == "nolearnt":
             Calibration.kept_share = lambda self: None
+        elif part.startswith("long"):
+            ngram.LONG_MATCH = int(part.removeprefix("long")) or 1 << 30
+        elif part.startswith("copyw"):
+            choice.LONG_COPY_WEIGHT = float(part.removeprefix("copyw"))
+        elif part.startswith("copy"):
+            choice.LONG_COPY_PRIOR = float(part.removeprefix("copy"))
         elif part.startswith("tau"):
             threshold = float(part.removeprefix("tau"))
         elif part != "base":
@@ -165,7 +176,9 @@ def main() -> int:
     defaults = {"margin": adaptive.DRAFT_MARGIN, "probe": adaptive.FIRST_PROBE_INTERVAL,
                 "order": choice.DrafterChoice.order,
                 "weight": choice.LEARNT_PRIOR_WEIGHT, "rent": choice.CATCH_UP_RENT,
-                "allowance": choice.CATCH_UP_ALLOWANCE, "share": Calibration.kept_share}
+                "allowance": choice.CATCH_UP_ALLOWANCE, "share": Calibration.kept_share,
+                "long": ngram.LONG_MATCH, "copy": choice.LONG_COPY_PRIOR,
+                "copyw": choice.LONG_COPY_WEIGHT}
     undo = clock.install()
 
     def clocked(ids: list[int], method: str) -> float:

@@ -30,7 +30,7 @@ from localspec.drafters.base import Drafter, Proposal
 from localspec.drafters.draft_model import DraftModelDrafter
 from localspec.drafters.multi import MultiDrafter
 from localspec.drafters.ngram import NgramDrafter
-from localspec.engine.choice import Attempt, DrafterChoice, Shadows
+from localspec.engine.choice import LONG_COPY_PRIOR, Attempt, DrafterChoice, Shadows
 from localspec.engine.engine import SpeculativeEngine
 from localspec.engine.stats import GenerationStats
 from localspec.errors import PresetError
@@ -187,6 +187,24 @@ def test_sure_guesses_are_estimated_apart() -> None:
     sure_first = choice.order([True, False])[0]
     assert sure_first.index == 0 and sure_first.k >= 6 and not sure_first.probe
     assert choice.order([False, False])[0].index == 1
+
+
+def test_a_long_copy_is_estimated_apart_from_its_own_prior() -> None:
+    """Lookup's second grade (a long copy under way) has its own estimator, which starts from
+    LONG_COPY_PRIOR: after the same verdicts (4 drafted, all kept) it drafts longer than the
+    first grade, which starts from the weak prior."""
+    choice = DrafterChoice(1, k_max=12)
+    for _ in range(3):  # plain passes of 1 and of 5 rows: the verify line
+        choice.order([0])
+        choice.record(None, 0, 0, {}, 0.030)
+        choice.order([0])
+        choice.record(None, 4, 4, {}, 0.045)
+    for grade in (1, 2):
+        choice.shadow(0, 4, 4, 0.0001, grade)
+    plans = {grade: choice.sure_estimator(0, grade).plan()[0] for grade in (1, 2)}
+    assert choice.sure_estimator(0, 2).alpha_prior == LONG_COPY_PRIOR
+    assert plans[2] > plans[1] > 0, plans
+    assert choice.order([2])[0].k == plans[2] and choice.order([1])[0].k == plans[1]
 
 
 # ----------------------------------------------------------------------------- sampling

@@ -68,8 +68,8 @@ def request(max_new_tokens: int = 12) -> GenerationRequest:
 
 
 def test_sure_defaults_to_no_evidence() -> None:
-    """A drafter that does not override ``sure`` answers False for any context."""
-    assert Repeat().sure(PROMPT) is False and Repeat().sure([]) is False
+    """A drafter that does not override ``sure`` answers 0 for any context."""
+    assert Repeat().sure(PROMPT) == 0 and Repeat().sure([]) == 0
 
 
 @pytest.mark.parametrize("cls", [DraftModelDrafter, NgramDrafter, EagleDrafter, MedusaDrafter,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from localspec.drafters.ngram import NgramDrafter, find_ngram_continuation
+from localspec.drafters.ngram import LONG_MATCH, NgramDrafter, find_ngram_continuation
 from localspec.sampling import SamplingParams
 
 # (context, k, max_n, min_n, expected, what it proves)
@@ -38,15 +38,22 @@ def test_find_ngram_continuation(context: list[int], k: int, max_n: int, min_n: 
     assert find_ngram_continuation(np.array(context), k, max_n, min_n) == expected
 
 
-@pytest.mark.parametrize(("context", "sure"), [
-    ([1, 2, 3, 9, 1, 2, 3], True),  # the last 3 tokens occurred before
-    ([1, 2, 3, 9, 4, 2, 3], False),  # only the last 2 did: a weaker match
-    ([5, 5, 5, 5], True),  # an overlapping earlier occurrence counts
-    ([1, 2], False),  # too short to hold an earlier 3-gram
+COPY = list(range(20, 20 + LONG_MATCH))  # a run as long as a long match
+
+
+@pytest.mark.parametrize(("context", "grade"), [
+    ([1, 2, 3, 9, 1, 2, 3], 1),  # the last 3 tokens occurred before
+    ([1, 2, 3, 9, 4, 2, 3], 0),  # only the last 2 did: a weaker match
+    ([5, 5, 5, 5], 1),  # an overlapping earlier occurrence counts
+    ([1, 2], 0),  # too short to hold an earlier 3-gram
+    ([*COPY, 7, 9, *COPY], 2),  # the match reaches back LONG_MATCH tokens: a copy under way
+    ([*COPY, 7, 9, 8, *COPY[1:]], 1),  # one token short of it
+    ([*COPY, 7, 9, *COPY[1:], 7, *COPY], 1),  # the latest occurrence (the one copied) counts
 ])
-def test_sure_needs_a_match_of_prompt_lookup_max(context: list[int], sure: bool) -> None:
-    """``sure`` (a probe while drafting is off) only for a match of the longest n-gram."""
-    assert NgramDrafter(prompt_lookup_max=3).sure(context) is sure
+def test_sure_grades_the_match(context: list[int], grade: int) -> None:
+    """``sure``: 1 (a probe while drafting is off) only for a match of the longest n-gram, 2
+    once that match reaches back ``LONG_MATCH`` tokens."""
+    assert NgramDrafter(prompt_lookup_max=3).sure(context) == grade
 
 
 def test_ngram_drafter_proposal_is_one_hot() -> None:

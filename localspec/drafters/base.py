@@ -7,10 +7,10 @@ keeps whatever state it needs (a KV cache) in step with the context by itself, s
 never has to tell it what was rejected: the next ``propose`` call simply shows the new context.
 
 Every drafter subclasses ``Drafter``: ``reset`` and ``propose`` are its own, and ``sure(context)``
-answers False unless the drafter can tell for free that its next guess is well founded (n-gram
-lookup: the context's longest n-gram occurred before); adaptive k then probes such a guess while
-drafting is off (``AdaptiveK.choose``). The engine refuses anything else, so a drafter cannot
-miss part of the contract by misspelling a method.
+answers 0 unless the drafter can tell for free that its next guess is well founded (n-gram
+lookup: the context's longest n-gram occurred before, 1, and reaches back a long way, 2);
+adaptive k then probes such a guess while drafting is off (``AdaptiveK.choose``). The engine
+refuses anything else, so a drafter cannot miss part of the contract by misspelling a method.
 
 How a method's drafter is made is the method's own business: each drafter module has a
 ``build(ctx)`` that the registry (``localspec.registry``) names, and ``ctx`` is a
@@ -227,10 +227,12 @@ class Drafter(ABC):
         overrides it (model-based drafters: ``DraftChain``'s ``width``)."""
         return self.propose(context, k, params, generator)
 
-    def sure(self, context: list[int]) -> bool:
-        """Whether the next guess after ``context`` is well founded, known without drafting:
-        adaptive k may then probe it while drafting is off. No evidence by default."""
-        return False
+    def sure(self, context: list[int]) -> int:
+        """How well founded the next guess after ``context`` is, known without drafting: 0
+        for no evidence (the default), 1 for enough that adaptive k may probe it while drafting
+        is off, 2 for more (n-gram lookup in the middle of a long copy). Each grade's guesses
+        are learnt apart (``DrafterChoice``); a bool is grade 0 or 1."""
+        return 0
 
     def backlog(self, context: list[int]) -> int:
         """Tokens of ``context`` this drafter must still feed its own model before it can

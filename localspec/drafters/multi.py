@@ -47,9 +47,9 @@ class MultiDrafter(Drafter):
         for member in self.members:
             member.reset_keeping_cache()
 
-    def sure(self, context: list[int]) -> bool:
-        """Any member's evidence (see ``NgramDrafter.sure``)."""
-        return any(member.sure(context) for member in self.members)
+    def sure(self, context: list[int]) -> int:
+        """The strongest member's evidence (see ``NgramDrafter.sure``)."""
+        return max((int(member.sure(context)) for member in self.members), default=0)
 
     def propose(
         self,

@@ -11,13 +11,18 @@ same whoever drafted them). Each step ``order`` ranks the drafters to ask:
      often enough that ranking them above a faster draft model cost 10-20% there);
   3. a resting drafter whose probe interval has run out.
 
-A drafter that says it is sure of its next guess is ranked by a second estimator that learns
-only its sure guesses: lookup's guesses after a match of its longest n-gram are kept far more
-often than after a one-token match (90% against 28% on the bench's answers), and one estimate
-of both kept it below the draft model at the start of a copied stretch after a run of weak
-misses (in one process, interleaved, over the six built-in prompts: `ngram` 33.52 -> 36.16
-tok/s, `auto` 40.66 -> 42.10). Where its sure guesses miss (code generation), that estimator
-learns it and the draft model stays first.
+A drafter that says it is sure of its next guess is ranked by an estimator that learns only
+its guesses of that grade of evidence (``Drafter.sure``): lookup's guesses after a match of its
+longest n-gram are kept far more often than after a one-token match (90% against 28% on the
+bench's answers), and one estimate of both kept it below the draft model at the start of a
+copied stretch after a run of weak misses (in one process, interleaved, over the six built-in
+prompts: `ngram` 33.52 -> 36.16 tok/s, `auto` 40.66 -> 42.10). Where its sure guesses miss
+(code generation), that estimator learns it and the draft model stays first. Its second grade,
+a match reaching back ``ngram.LONG_MATCH`` tokens (a copy under way, whose next guess was kept 98%
+of the time once the match reached 10 tokens), starts from a prior of ``LONG_COPY_PRIOR``
+weighing ``LONG_COPY_WEIGHT`` steps: learnt from the same weak prior as the others, it drafted
+3, 4, 10 tokens, a pass each, at the start of a summary's 31- and 43-token copies, where 12
+would have been kept (virtual clock, bench prompts: `auto` 1.520 -> 1.541, docs/benchmarks.md).
 
 A drafter that has not drafted yet in this answer and is behind the context (a draft model that
 must first read the whole prompt: ``Drafter.backlog``) waits while a drafter already measured
@@ -68,6 +73,9 @@ from localspec.engine.adaptive import LEARNT_PRIOR_WEIGHT, AdaptiveK, VerifyLine
 # times its catch-up beyond CATCH_UP_ALLOWANCE plain steps (see the module docstring).
 CATCH_UP_RENT = 3.0
 CATCH_UP_ALLOWANCE = 6.0
+# The prior of a drafter's guesses at evidence grade 2 and above (lookup: a long copy under way)
+LONG_COPY_PRIOR = 0.9
+LONG_COPY_WEIGHT = 4.0
 
 
 @dataclass(frozen=True)
@@ -77,7 +85,7 @@ class Attempt:
     index: int
     k: int
     probe: bool = False  # a probe of a resting drafter
-    sure: bool = False  # the drafter said its next guess is well founded
+    sure: int = 0  # the drafter's evidence for its next guess (``Drafter.sure``)
 
 
 class DrafterChoice:
@@ -95,44 +103,53 @@ class DrafterChoice:
         stops = list(stops_itself) + [False] * (count - len(stops_itself))
         shares = list(kept_shares) + [None] * (count - len(kept_shares))
 
-        def estimator(i: int) -> AdaptiveK:
+        def estimator(i: int, grade: int = 0) -> AdaptiveK:
             share = shares[i]
-            prior = {} if share is None else {"alpha_prior": share,
-                                              "prior_weight": LEARNT_PRIOR_WEIGHT}
+            prior = ({"alpha_prior": LONG_COPY_PRIOR, "prior_weight": LONG_COPY_WEIGHT}
+                     if grade >= 2 else {} if share is None
+                     else {"alpha_prior": share, "prior_weight": LEARNT_PRIOR_WEIGHT})
             return AdaptiveK(k_max=self.k_max, enabled=enabled, verify=self.verify,
                              stops_itself=stops[i], **prior)
 
+        self._estimator = estimator
         self.estimators = [estimator(i) for i in range(count)]
-        # each drafter's guesses made while it was sure, apart (lookup's long matches)
-        self.sure_estimators = [estimator(i) for i in range(count)]
-        self._sure: list[bool] = [False] * count  # this step's evidence
+        # each drafter's guesses made while it was sure, apart by grade (lookup's long matches)
+        self._sure_estimators: dict[tuple[int, int], AdaptiveK] = {}
+        self._sure: list[int] = [0] * count  # this step's evidence
         self._asked: list[Attempt] = []
         self._resting: list[int] = []
         self._lost = 0.0  # verify seconds of steps that kept no draft: what a new one could save
 
-    def order(self, sure: list[bool], catch_up: list[float] | None = None) -> list[Attempt]:
+    def order(self, sure: list[int], catch_up: list[float] | None = None) -> list[Attempt]:
         """The drafters to ask this step, in turn, until one proposes tokens; [] for a plain
         step. ``sure[i]``: drafter i's evidence for its next guess (``Drafter.sure``);
         ``catch_up[i]``: the seconds it would take to catch up on the context first."""
         self._resting = []
-        self._sure = list(sure)
+        self._sure = [int(s) for s in sure]
         if self.k_max == 0:
             attempts: list[Attempt] = []
         elif not self.enabled:
-            attempts = [Attempt(i, self.k_max, sure=s) for i, s in enumerate(sure)]
+            attempts = [Attempt(i, self.k_max, sure=s) for i, s in enumerate(self._sure)]
         else:
-            attempts = self._rank(sure, catch_up or [0.0] * len(sure))
+            attempts = self._rank(self._sure, catch_up or [0.0] * len(sure))
         self._asked = []
         return attempts
 
-    def _rank(self, sure: list[bool], catch_up: list[float]) -> list[Attempt]:
-        paying: list[tuple[float, bool, int, int]] = []
+    def sure_estimator(self, drafter: int, grade: int) -> AdaptiveK:
+        """The estimator of ``drafter``'s guesses made at evidence ``grade`` (>= 1)."""
+        key = (drafter, grade)
+        if key not in self._sure_estimators:
+            self._sure_estimators[key] = self._estimator(drafter, grade)
+        return self._sure_estimators[key]
+
+    def _rank(self, sure: list[int], catch_up: list[float]) -> list[Attempt]:
+        paying: list[tuple[float, int, int, int]] = []  # -rate, -grade, drafter, k
         for i, estimator in enumerate(self.estimators):
             k, rate = estimator.plan()
-            if sure[i] and (sure_plan := self.sure_estimators[i].plan())[0] > 0:
+            if sure[i] and (sure_plan := self.sure_estimator(i, sure[i]).plan())[0] > 0:
                 k, rate = sure_plan
             if k > 0:
-                paying.append((-rate, not sure[i], i, k))
+                paying.append((-rate, -sure[i], i, k))
             else:
                 self._resting.append(i)
         if any(self.estimators[i].measured for _, _, i, _ in paying):
@@ -143,9 +160,8 @@ class DrafterChoice:
             self.estimators[i].paid()
         ranked = [Attempt(i, k, sure=sure[i]) for _, _, i, k in sorted(paying)]
         due = [i for i in self._resting if self.estimators[i].probe_due(sure[i])]
-        first = [Attempt(i, self.estimators[i].probe_k(), True, True) for i in due if sure[i]]
-        last = [Attempt(i, self.estimators[i].probe_k(), True, False)
-                for i in due if not sure[i]]
+        first = [Attempt(i, self.estimators[i].probe_k(), True, sure[i]) for i in due if sure[i]]
+        last = [Attempt(i, self.estimators[i].probe_k(), True) for i in due if not sure[i]]
         return first + ranked + last
 
     def asked(self, attempt: Attempt) -> None:
@@ -165,7 +181,8 @@ class DrafterChoice:
             self.estimators[i].record_draft(drafted if mine else 0, accepted if mine else 0,
                                             draft_times.get(i, 0.0))
             if mine and self._sure[i]:
-                self.sure_estimators[i].record_draft(drafted, accepted, draft_times.get(i, 0.0))
+                self.sure_estimator(i, self._sure[i]).record_draft(drafted, accepted,
+                                                                  draft_times.get(i, 0.0))
         for i in self._resting:
             if i not in asked:
                 self.estimators[i].rest()
@@ -174,17 +191,17 @@ class DrafterChoice:
         if accepted == 0:
             self._lost += verify_time
 
-    def sure_now(self, drafter: int) -> bool:
-        """Whether ``drafter`` was sure of its next guess this step."""
+    def sure_now(self, drafter: int) -> int:
+        """``drafter``'s evidence for its next guess this step (``Drafter.sure``)."""
         return self._sure[drafter]
 
     def shadow(self, drafter: int, drafted: int, accepted: int, draft_time: float,
-               sure: bool = False) -> None:
+               sure: int = 0) -> None:
         """Learn what ``drafter`` would have kept of ``drafted`` tokens it did not draft
-        (``sure``: it was sure of them)."""
+        (``sure``: its evidence for them)."""
         self.estimators[drafter].record_draft(drafted, accepted, draft_time)
         if sure:
-            self.sure_estimators[drafter].record_draft(drafted, accepted, draft_time)
+            self.sure_estimator(drafter, sure).record_draft(drafted, accepted, draft_time)
 
 
 @dataclass
@@ -193,7 +210,7 @@ class _Pending:
     start: int  # the context's length when it was asked: its tokens continue from there
     tokens: list[int]
     seconds: float
-    sure: bool
+    sure: int
 
 
 class Shadows:
@@ -205,7 +222,7 @@ class Shadows:
         self._pending: list[_Pending] = []
 
     def add(self, drafter: int, start: int, tokens: list[int], seconds: float,
-            sure: bool = False) -> None:
+            sure: int = 0) -> None:
         if tokens:
             self._pending.append(_Pending(drafter, start, list(tokens), seconds, sure))
 
