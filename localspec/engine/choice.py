@@ -17,12 +17,13 @@ longest n-gram are kept far more often than after a one-token match (90% against
 bench's answers), and one estimate of both kept it below the draft model at the start of a
 copied stretch after a run of weak misses (in one process, interleaved, over the six built-in
 prompts: `ngram` 33.52 -> 36.16 tok/s, `auto` 40.66 -> 42.10). Where its sure guesses miss
-(code generation), that estimator learns it and the draft model stays first. Its second grade,
-a match reaching back ``ngram.LONG_MATCH`` tokens (a copy under way, whose next guess was kept 98%
-of the time once the match reached 10 tokens), starts from a prior of ``LONG_COPY_PRIOR``
-weighing ``LONG_COPY_WEIGHT`` steps: learnt from the same weak prior as the others, it drafted
-3, 4, 10 tokens, a pass each, at the start of a summary's 31- and 43-token copies, where 12
-would have been kept (virtual clock, bench prompts: `auto` 1.520 -> 1.541, docs/benchmarks.md).
+(code generation), that estimator learns it and the draft model stays first. Its second
+grade, a match reaching back ``ngram.LONG_MATCH`` tokens (a copy under way, whose next guess
+was kept 98% of the time once the match reached 10 tokens), starts from a prior of
+``LONG_COPY_PRIOR`` weighing ``LONG_COPY_WEIGHT`` steps: learnt from the same weak prior as the
+others, it drafted 3, 4, 6, 7 tokens, a pass each, into a summary's 31-token copy, where 12
+would have been kept (virtual clock, bench prompts: `auto` 1.520 -> 1.541,
+docs/benchmarks.md).
 
 A drafter that has not drafted yet in this answer and is behind the context (a draft model that
 must first read the whole prompt: ``Drafter.backlog``) waits while a drafter already measured
