@@ -24,12 +24,13 @@ from localspec.runtime.runner import ModelRunner
 
 def test_lookups_evidence_reaches_adaptive_k(target_runner: ModelRunner,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each step the engine asks adaptive k with each drafter's ``sure``: true on a prompt whose
-    last n-gram occurred before; plain decoding has no drafter to ask."""
-    seen: list[list[bool]] = []
+    """Each step the engine asks adaptive k with each drafter's ``sure``: grade 2 on a prompt
+    whose last n-gram occurred before in a match reaching back 12 tokens (a long copy); plain
+    decoding has no drafter to ask."""
+    seen: list[list[int]] = []
 
     class Recording(engine_module.DrafterChoice):
-        def order(self, sure: list[bool], catch_up: list[float] | None = None
+        def order(self, sure: list[int], catch_up: list[float] | None = None
                   ) -> list[Attempt]:
             seen.append(list(sure))
             return super().order(sure, catch_up)
@@ -37,7 +38,7 @@ def test_lookups_evidence_reaches_adaptive_k(target_runner: ModelRunner,
     monkeypatch.setattr(engine_module, "DrafterChoice", Recording)
     lookup = SpeculativeEngine(target_runner, NgramDrafter(3, 1), decode, set())
     collect(lookup, request(PROMPTS["repetitive"], adaptive=True))
-    assert seen[0] == [True]
+    assert seen[0] == [2]
     seen.clear()
     collect(SpeculativeEngine(target_runner, None, decode, set()),
             request(PROMPTS["repetitive"]))
