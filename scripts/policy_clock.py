@@ -16,9 +16,10 @@ estimator (``choice.LONG_COPY_PRIOR``, ``LONG_COPY_WEIGHT``); joined with ``+``)
 
 Without ``--noise`` the clock has none, and noise is what ``DRAFT_MARGIN`` and the stall guards
 exist for; ``--noise SIGMA`` multiplies the cost of each step's forward (not a prefill's) by a
-seeded log-normal factor of mean 1, the same draws for every variant, so the policy decides on
-noisy measurements while its expected costs stay those of the model. A variant that gains here
-still needs a ``bench`` run to confirm it on the machine.
+seeded log-normal factor of mean 1, the same draws for every variant (seeded per prompt, so a
+variant that changes one answer's forwards leaves the draws of the others alone), so the policy
+decides on noisy measurements while its expected costs stay those of the model. A variant that
+gains here still needs a ``bench`` run to confirm it on the machine.
 
     python3 scripts/policy_clock.py --variants base,margin0 --methods auto
 """
@@ -198,11 +199,14 @@ def main() -> int:
                 for member in pipe.engine(method).members():
                     if threshold is not None and member.confidence_threshold > 0:
                         member.confidence_threshold = threshold
-                clock.random.seed(args.seed)
                 line, every = f"{variant:22s} {method:11s}", []
                 for name, prompts in encoded.items():
-                    speedups = [base / clocked(ids, method)
-                                for ids, base in zip(prompts, plain[name], strict=True)]
+                    speedups = []
+                    for index, (ids, base) in enumerate(zip(prompts, plain[name], strict=True)):
+                        # draws of their own per prompt: a variant that changes one answer's
+                        # forwards must not shift the draws of every answer after it
+                        clock.random.seed(f"{args.seed}/{name}/{index}")
+                        speedups.append(base / clocked(ids, method))
                     every += speedups
                     line += f" | {name} mean {statistics.mean(speedups):.3f}"
                     if name == "bench":
