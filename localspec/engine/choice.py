@@ -105,10 +105,12 @@ class DrafterChoice:
         shares = list(kept_shares) + [None] * (count - len(kept_shares))
 
         def estimator(i: int, grade: int = 0) -> AdaptiveK:
+            prior: dict[str, float] = {}  # AdaptiveK's weak prior
             share = shares[i]
-            prior = ({"alpha_prior": LONG_COPY_PRIOR, "prior_weight": LONG_COPY_WEIGHT}
-                     if grade >= 2 else {} if share is None
-                     else {"alpha_prior": share, "prior_weight": LEARNT_PRIOR_WEIGHT})
+            if grade >= 2:
+                prior = {"alpha_prior": LONG_COPY_PRIOR, "prior_weight": LONG_COPY_WEIGHT}
+            elif share is not None:
+                prior = {"alpha_prior": share, "prior_weight": LEARNT_PRIOR_WEIGHT}
             return AdaptiveK(k_max=self.k_max, enabled=enabled, verify=self.verify,
                              stops_itself=stops[i], **prior)
 
