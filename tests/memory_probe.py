@@ -7,6 +7,15 @@ shows. RSS is read after ``gc.collect()`` and glibc's ``malloc_trim(0)``: freed 
 malloc keeps for reuse (as large as the largest transient, a long prompt's activations) is
 returned, so what remains is what something holds.
 
+``test_memory`` also fixes malloc's mmap threshold (``MALLOC_MMAP_THRESHOLD_``, read as the
+process starts). By default it rises to the largest block freed so far (up to 32 MB); such
+blocks then come from the heap, where they fragment what ``malloc_trim`` can give back, and one
+conversation's RSS rose and fell by 10-20 MB from answer to answer. Fixed, large blocks
+(activations, the KV cache) are mapped on their own and resident as far as they are written:
+the same conversation's RSS then grew 1.5-2.3 MB an answer, with the KV cache's filling, the
+same to 0.5 MB in two runs. And before the first answer every int8 row count the answers will
+use is warm (``warm_row_counts``).
+
 Usage: ``python tests/memory_probe.py linear``, ``... app ANSWERS CLEAR_EVERY MAX_NEW_TOKENS`` or
 ``... api REQUESTS MAX_NEW_TOKENS``; prints one JSON object (exit status 3 without glibc's
 ``malloc_trim``).
@@ -31,7 +40,7 @@ import torch
 from localspec.api.local_server import serve_in_thread
 from localspec.host import ModelHost
 from localspec.models.hardware import detect_hardware
-from localspec.runtime.quant import W8A8Linear
+from localspec.runtime.quant import EXACT_ROWS, ROW_PIECE, ROW_STEP, W8A8Linear
 from localspec.ui.app import ChatApp, Settings
 
 MB = 2**20
@@ -70,19 +79,39 @@ def linear(trim: Callable[[int], int]) -> dict[str, float]:
     return {"before": before, "after": settled_rss(trim)}
 
 
+def warm_row_counts(decoder: object) -> int:
+    """Run each int8 layer shape of ``decoder`` (its first layer's four and the head) once on
+    every row count ``W8A8Linear`` hands oneDNN, so that its primitives exist before the first
+    answer: otherwise each verify width or prompt piece first met later (adaptive k's widths
+    vary with the drafter's evidence) costs ~1.6 MB then, bounded but not the KV cache. The
+    number of layers warmed."""
+    first = decoder.layers[0]
+    linears = [layer for layer in (first.qkv, first.o, first.gate_up, first.down,
+                                   decoder.head.part(None)) if isinstance(layer, W8A8Linear)]
+    counts = [*range(1, EXACT_ROWS + 1), *range(ROW_STEP, ROW_PIECE + 1, ROW_STEP)]
+    for layer in linears:
+        for rows in counts:
+            layer(torch.ones(rows, layer.in_features))
+    return len(linears)
+
+
 def app(trim: Callable[[int], int], count: int, clear_every: int,
         max_new_tokens: int) -> dict[str, list]:
     """The app's chat handler on SmolLM2: ``count`` questions, Clear every ``clear_every``;
-    after each answer the settled RSS, the KV cache's allocation (MB) and context length."""
+    after each answer the settled RSS, the KV cache's allocation and the part of it the context
+    fills (MB), and the context's length."""
     host = ModelHost(audit=False)
     if not host.load(SMOL):
         raise SystemExit(f"could not load {SMOL}: {host.status().error}")
     chat = ChatApp(host, detect_hardware(), SMOL, min_update_interval=0.0, stop_wait_s=0.0)
     runner = host.pipeline.target_runner()
+    if not warm_row_counts(runner.decoder):
+        raise SystemExit(f"{SMOL} has no int8 layers: this probe measures oneDNN's")
     settings = Settings(temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=max_new_tokens,
                         k=8, seed=0)
     history: list[dict] = []
-    points: dict[str, list] = {"rss": [], "kv": [], "context": [], "turns": [], "notices": []}
+    points: dict[str, list] = {"rss": [], "kv": [], "kv_used": [], "context": [], "turns": [],
+                               "notices": []}
     for i in range(count):
         if i and i % clear_every == 0:
             history = chat.clear().history
@@ -93,6 +122,7 @@ def app(trim: Callable[[int], int], count: int, clear_every: int,
         cache = runner.kv_cache
         points["rss"].append(settled_rss(trim))
         points["kv"].append((cache.keys.nbytes + cache.values.nbytes) / MB)
+        points["kv_used"].append(points["kv"][-1] * runner.length / cache.keys.shape[2])
         points["context"].append(runner.length)
         points["turns"].append(len(history))
         points["notices"].append(last.notice)
@@ -136,6 +166,7 @@ def api(trim: Callable[[int], int], count: int, max_new_tokens: int) -> dict[str
     host = ModelHost(audit=False)
     if not host.load(SMOL):
         raise SystemExit(f"could not load {SMOL}: {host.status().error}")
+    warm_row_counts(host.pipeline.target_runner().decoder)
     points: dict[str, list] = {"rss": [], "tokens": []}
     with serve_in_thread(host) as url, httpx.Client(base_url=url, timeout=600,
                                                    trust_env=False) as client:
@@ -149,7 +180,8 @@ def api(trim: Callable[[int], int], count: int, max_new_tokens: int) -> dict[str
 
 def main(argv: list[str]) -> int:
     path = ctypes.util.find_library("c")
-    trim = getattr(ctypes.CDLL(path), "malloc_trim", None) if path else None
+    libc = ctypes.CDLL(path) if path else None
+    trim = getattr(libc, "malloc_trim", None)
     if trim is None:
         return NO_TRIM
     if argv[0] == "linear":
