@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import assert_user_error, run_cli
 
+from localspec.errors import ModelLoadError
 from localspec.presets import load_preset, user_presets_root
 from localspec.training import tuning
 
@@ -191,3 +192,59 @@ def test_a_bad_name_is_refused_before_loading(name: str, needle: str, presets: d
                                               no_loading: None) -> None:
     assert_user_error(run_cli(capsys, "tune", "--preset", presets["draft"], "--name", name),
                       needle)
+
+
+def test_the_draft_is_tried_in_each_cpu_form_and_the_fastest_saved(
+        presets: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seconds faked so that the draft model wins the method stage and runs fastest as Q4_K:
+    every CPU form of the draft is loaded and run for real (outputs compared with plain
+    decoding's), one that fails to load is reported and skipped, and the saved preset serves
+    the draft as Q4_K."""
+    fake_timing(monkeypatch, lambda s, _run: 300.0 if s.draft_quantization == "requant-q4k"
+                else 200.0 if s.method == "draft_model" else 100.0)
+    real_load = tuning.Pipeline.load
+
+    def load(preset: object, *args: object, **kwargs: object) -> object:
+        if preset.speculative_config.quantization == "requant-q3m":  # type: ignore[attr-defined]
+            raise ModelLoadError("no room for a third draft")
+        return real_load(preset, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(tuning.Pipeline, "load", load)
+    code, out, err = run_cli(capsys, "tune", "--preset", presets["draft"], "--prompts",
+                             prompts_file(tmp_path), "--max-new-tokens", "6", "--repeats", "1",
+                             "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    tried = [t for t in report["trials"] if t["stage"] == "draft quantization"]
+    assert [t["settings"].rsplit("draft ", 1)[1] for t in tried] == ["none", "w8a8",
+                                                                       "requant-q4k"]
+    assert all(t["identical"] for t in tried)
+    assert "requant-q3m" in err and "no room for a third draft" in err
+    saved = load_preset(report["name"])
+    assert saved.draft_spec().quantization == "requant-q4k"  # type: ignore[union-attr]
+    assert 'quantization = "requant-q4k"' in Path(report["saved"]).read_text(encoding="utf-8")
+    assert report["after"]["settings"].endswith("draft requant-q4k")
+
+
+def test_the_draft_form_stage_only_where_a_cpu_draft_model_runs(presets: dict[str, str],
+                                                              tmp_path: Path) -> None:
+    """A built-in GGUF draft may also keep its own types (w4a8); a folder's may not. The stage
+    has no candidates where the draft model does not run, nor for a draft on a GPU."""
+    shipped = load_preset("cpu-qwen-coder-auto")
+    assert tuning.draft_forms(shipped) == ["requant-q3m", "w8a8", "w4a8", "requant-q4k"]
+    preset = load_preset(presets["draft"])
+    forms = tuning.draft_forms(preset)
+    assert forms == ["none", "w8a8", "requant-q4k", "requant-q3m"]
+    start = tuning.settings_of(preset)
+    assert len(tuning.options("draft quantization", start, [], forms=forms)) == 4
+    for method in ("none", "ngram"):
+        assert tuning.options("draft quantization", dataclasses.replace(start, method=method),
+                              [], forms=forms) == []
+    q4k = dataclasses.replace(start, draft_quantization="requant-q4k")
+    assert tuning.settings_of(tuning.with_settings(preset, q4k)) == q4k
+    gpu = Path(presets["draft"]).read_text(encoding="utf-8").replace('device = "cpu"',
+                                                                    'device = "cuda"')
+    (tmp_path / "gpu.toml").write_text(gpu.replace('hardware = "cpu"', 'hardware = "gpu-8gb"'),
+                                       encoding="utf-8")
+    assert tuning.draft_forms(load_preset(str(tmp_path / "gpu.toml"))) == []

@@ -10,9 +10,12 @@ prompts or the user's JSONL, ``max_new_tokens`` each):
    to check here, printed as a table;
 2. the preset's own settings, then one setting at a time around the best so far (a coordinate
    search): the method (each one the preset can run, plain decoding and ``auto`` included),
-   ``auto``'s members (every set of two or more of the preset's own), n-gram lookup first, the
-   most drafts a step, the draft's confidence threshold and, where the target feeds draft
-   trees (the native CPU decoder), the tree width (1, 2, 3). A
+   the form a draft model is served in on the CPU (``draft_forms``: Q3_M, Q4_K, int8, a GGUF's
+   own types; which one is fastest depends on the machine's bandwidth against its compute, and
+   int8 runs on oneDNN, which uses AMX where a Xeon has it), ``auto``'s members (every set of two
+   or more of the preset's own), n-gram lookup first, the most drafts a step, the draft's
+   confidence threshold and, where the target feeds draft trees (the native CPU decoder), the
+   tree width (1, 2, 3). A
    candidate replaces the best only when it is faster by more than ``MARGIN`` over all prompts
    (tokens over seconds): one run of each is noisy, and a setting that merely ties is no reason
    to change;
@@ -41,8 +44,10 @@ from typing import Any
 import tomlkit
 import torch
 
-from localspec.config import MAX_SPECULATIVE_TOKENS, Preset, parse_preset
-from localspec.errors import LocalSpecError, PresetError
+from localspec.config import CPU_QUANTIZATIONS, MAX_SPECULATIVE_TOKENS, Preset, parse_preset
+from localspec.errors import LocalSpecError, ModelLoadError, PresetError
+from localspec.models.loading import pick_device
+from localspec.models.packed_store import gguf_source
 from localspec.pipeline import Pipeline, check_method
 from localspec.presets import preset_path, save_user_preset, user_preset_file
 from localspec.registry import AUTO, drafter_spec, method_names
@@ -50,6 +55,7 @@ from localspec.registry import AUTO, drafter_spec, method_names
 MARGIN = 0.03  # a candidate must be this much faster than the best so far to replace it
 K_CHOICES = (4, 8, 12, 16)
 THRESHOLDS = (0.3, 0.5, 0.7, 0.8, 0.9)  # where a chain ends: the chance it is kept whole
+LABEL = 72  # the settings' column in the progress lines (the report's fits its longest)
 MARK = "# Made by `localspec tune"  # the first line of a preset tune wrote (it may replace it)
 
 
@@ -67,6 +73,12 @@ class Settings:
     lookup_first: bool
     tree_width: int = 1
     members: tuple[str, ...] = ()  # "auto"'s, as [localspec] drafters lists them
+    draft_quantization: str = "none"  # [speculative_config] quantization: the draft model's
+
+    def runs_draft_model(self) -> bool:
+        """Whether these settings run the draft model (alone or as a member of auto)."""
+        runs = self.members if self.method == AUTO else (self.method,)
+        return any(drafter_spec(m).needs == "draft_model" for m in runs)
 
     def label(self) -> str:
         if self.method == "none":
@@ -80,6 +92,8 @@ class Settings:
             parts.append(f"threshold {self.threshold:g}")
         if self.tree_width > 1:
             parts.append(f"tree {self.tree_width}")
+        if self.runs_draft_model():
+            parts.append(f"draft {self.draft_quantization}")
         return ", ".join(parts)
 
 
@@ -87,7 +101,8 @@ def settings_of(preset: Preset) -> Settings:
     return Settings(preset.speculative_config.method,
                     preset.speculative_config.num_speculative_tokens,
                     preset.localspec.draft_confidence_threshold, preset.localspec.lookup_first,
-                    preset.localspec.tree_width, preset.drafter_methods(AUTO))
+                    preset.localspec.tree_width, preset.drafter_methods(AUTO),
+                    preset.speculative_config.quantization)
 
 
 def changes(preset: Preset, s: Settings) -> list[tuple[str, str, Any]]:
@@ -103,6 +118,8 @@ def changes(preset: Preset, s: Settings) -> list[tuple[str, str, Any]]:
         ("localspec", "lookup_first", s.lookup_first),
         ("localspec", "tree_width", s.tree_width),
         ("localspec", "drafters", list(s.members) if auto and s.members else None)]
+    if s.draft_quantization != preset.speculative_config.quantization:
+        out.append(("speculative_config", "quantization", s.draft_quantization))
     runs = s.members if auto else (s.method,)
     if preset.localspec.head is not None and not (auto and "draft_model" in runs):
         out.append(("localspec", "head", None))
@@ -183,19 +200,32 @@ def measure(pipe: Pipeline, s: Settings, encoded: list[list[int]], max_new: int,
     return out
 
 
-STAGES = ("method", "auto's drafters", "lookup first", "drafts a step", "confidence threshold",
-          "tree width")
+def draft_forms(preset: Preset) -> list[str]:
+    """The forms a CPU preset's draft model may be served in (its own first); none where the
+    draft runs elsewhere. "w4a8" only for a GGUF (a folder would get w8a8 under that name)."""
+    spec = preset.draft_spec()
+    if spec is None or spec.device == "cuda" or pick_device(spec.device) != "cpu":
+        return []
+    forms = [q for q in CPU_QUANTIZATIONS if q != "w4a8" or gguf_source(spec) is not None]
+    return [spec.quantization, *(q for q in forms if q != spec.quantization)]
+
+
+STAGES = ("method", "draft quantization", "auto's drafters", "lookup first", "drafts a step",
+          "confidence threshold", "tree width")
 TREE_WIDTHS = (1, 2, 3)
 
 
-def options(stage: str, best: Settings, methods: list[str], trees: bool = False
-            ) -> list[Settings]:
+def options(stage: str, best: Settings, methods: list[str], trees: bool = False,
+            forms: list[str] | None = None) -> list[Settings]:
     """The candidates of one stage of the coordinate search, around ``best``; tree widths only
-    where the target runner ``trees`` (feeds draft trees)."""
+    where the target runner ``trees`` (feeds draft trees), the draft's ``forms``
+    (``draft_forms``) where its draft model runs."""
     if stage == "method":
         return [dataclasses.replace(best, method=m) for m in methods]
     if best.method == "none":
         return []
+    if stage == "draft quantization" and best.runs_draft_model():
+        return [dataclasses.replace(best, draft_quantization=q) for q in forms or ()]
     if stage == "auto's drafters" and best.method == AUTO:
         pool = best.members  # the preset's own: a set of them needs nothing more loaded
         return [dataclasses.replace(best, members=members) for size in range(2, len(pool) + 1)
@@ -254,28 +284,44 @@ def run_tune(pipe: Pipeline, preset_name: str, encoded: list[list[int]], max_new
     """Measure, choose, save; the report (``format_report`` prints it). TuneStopped, with
     nothing saved, once ``cancelled`` says so (checked before each setting's run)."""
 
-    def run(s: Settings, into: Measured | None = None) -> Measured:
-        if cancelled():
-            raise TuneStopped("tuning stopped: nothing was saved")
-        return measure(pipe, s, encoded, max_new, into)
-
     name = name or tuned_name(preset_name)
     replace = check_name(name)
     preset = pipe.preset
     start = settings_of(preset)
+    pipes = {start.draft_quantization: pipe}  # by the draft's form, all on pipe's target runner
+
+    def run(s: Settings, into: Measured | None = None) -> Measured:
+        """ModelLoadError where the draft's form cannot be loaded."""
+        if cancelled():
+            raise TuneStopped("tuning stopped: nothing was saved")
+        form = s.draft_quantization
+        if form not in pipes:
+            log(f"loading the draft model as {form} (once; a new form is quantized and stored "
+                "first)")
+            with_form = with_settings(preset, dataclasses.replace(start, draft_quantization=form))
+            loaded = Pipeline.load(with_form, previous=pipe)
+            pipes[form] = Pipeline(with_form, pipe.target, loaded.draft,
+                                   _runner=pipe.target_runner())
+        return measure(pipes[form], s, encoded, max_new, into)
+
     widths = range(1, min(max(start.k, *K_CHOICES), MAX_SPECULATIVE_TOKENS) + 2)
     costs = pass_costs(pipe, encoded[0], widths)
     log("pass cost by width (ms): " + ", ".join(f"{w}: {c * 1e3:.1f}" for w, c in costs.items()))
-    methods = runnable_methods(preset)
+    methods, forms = runnable_methods(preset), draft_forms(preset)
     seen: dict[Settings, Measured] = {}
     plain = run(dataclasses.replace(start, method="none"))
     seen[plain.settings] = plain
     best = seen[start] = plain if start.method == "none" else run(start)
     trials = []
     for stage in STAGES:
-        for s in options(stage, best.settings, methods, pipe.target_runner().supports_trees):
+        for s in options(stage, best.settings, methods, pipe.target_runner().supports_trees,
+                         forms):
             if s not in seen:
-                seen[s] = run(s)
+                try:
+                    seen[s] = run(s)
+                except ModelLoadError as exc:
+                    log(f"{stage:21s} {s.label():{LABEL}s} not loaded: {exc}")
+                    continue
             m = seen[s]
             # greedy output with speculation is plain decoding's; a float path may differ at
             # a near-tie (what `verify` allows): such a setting is reported, never chosen
@@ -283,10 +329,12 @@ def run_tune(pipe: Pipeline, preset_name: str, encoded: list[list[int]], max_new
             trials.append({"stage": stage, "settings": s.label(), "tok_s": m.rate,
                            "vs_start": m.rate / seen[start].rate if seen[start].rate else 0.0,
                            "identical": exact})
-            log(f"{stage:21s} {s.label():60s} {m.rate:7.2f} tok/s"
+            log(f"{stage:21s} {s.label():{LABEL}s} {m.rate:7.2f} tok/s"
                 f"{'' if exact else '  output differs from plain: not chosen'}")
             if exact and m.rate > best.rate * (1 + MARGIN):
                 best = m
+            for form in set(pipes) - {start.draft_quantization, best.settings.draft_quantization}:
+                del pipes[form]  # a draft no later run uses: its memory back before the next
     before, after = Measured(start), Measured(best.settings)
     for _ in range(repeats):
         run(start, into=before)
@@ -311,18 +359,21 @@ def run_tune(pipe: Pipeline, preset_name: str, encoded: list[list[int]], max_new
 def format_report(report: dict[str, Any]) -> str:
     """The tables ``tune`` prints: pass costs, every trial, before and after."""
     costs = report["pass_ms"]
+    width = max(len(t["settings"]) for t in [*report["trials"], report["before"],
+                                             report["after"]])
     lines = ["target pass by verify width (ms, best of 3):",
              "  " + "  ".join(f"{w}: {c:.1f}" for w, c in costs.items()), "",
-             f"{'stage':21s} {'settings':60s} {'tok/s':>7s} {'vs start':>9s}"]
-    lines += [f"{t['stage']:21s} {t['settings']:60s} {t['tok_s']:7.2f} {t['vs_start']:8.2f}x"
+             f"{'stage':21s} {'settings':{width}s} {'tok/s':>7s} {'vs start':>9s}"]
+    lines += [f"{t['stage']:21s} {t['settings']:{width}s} {t['tok_s']:7.2f} "
+              f"{t['vs_start']:8.2f}x"
               f"{'' if t['identical'] else '  (output differs from plain)'}"
               for t in report["trials"]]
     plain = report["plain_tok_s"]
-    lines += ["", f"{'':8s} {'settings':60s} {'tok/s':>7s} {'vs plain':>9s}"]
+    lines += ["", f"{'':21s} {'settings':{width}s} {'tok/s':>7s} {'vs plain':>9s}"]
     for row in ("before", "after"):
         r = report[row]
         speedup = r["tok_s"] / plain if plain else 0.0
-        lines.append(f"{row:8s} {r['settings']:60s} {r['tok_s']:7.2f} {speedup:8.2f}x")
+        lines.append(f"{row:21s} {r['settings']:{width}s} {r['tok_s']:7.2f} {speedup:8.2f}x")
     lines += ["", f"saved as preset '{report['name']}': {report['saved']} "
               f"(--preset {report['name']})"]
     return "\n".join(lines)
