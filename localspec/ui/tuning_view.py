@@ -55,7 +55,7 @@ def tune_here(app: ChatApp, session: str) -> Iterator[Update]:
 
 def _tune(app: ChatApp, key: str, cancelled: Callable[[], bool]) -> Iterator[Update]:
     pipe = app.host.pipeline
-    lines = [f"Tuning {key} on this machine (about two minutes; answers wait meanwhile)…"]
+    lines = [f"Tuning {key} on this machine (a few minutes; answers wait meanwhile)…"]
     yield _lines_html(lines), gr.update()
     try:
         check_name(tuned_name(key))
