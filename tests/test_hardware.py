@@ -58,7 +58,7 @@ from localspec.models.hardware import (
     survey_presets,
     weight_bytes,
 )
-from localspec.presets import list_preset_names, load_preset
+from localspec.presets import list_preset_names, load_preset, shipped_preset_names
 from localspec.registry import EAGLE3_DRAFT_VOCAB
 from localspec.runtime.quant import quantize_int8_weight_only
 
@@ -237,7 +237,8 @@ def test_local_folder_config_is_read(tmp_path: Path) -> None:
     assert architecture(str(tmp_path)).hidden_size == 128
 
 
-@pytest.mark.parametrize("name", [n for n in list_preset_names() if not n.startswith("cpu")])
+@pytest.mark.parametrize("name", [n for n in shipped_preset_names()
+                                  if not n.startswith("cpu")])
 def test_gpu_presets_fit_their_class(name: str) -> None:
     """Each GPU preset's computed need fits the card it is named for, with its draft aboard."""
     preset = load_preset(name)
