@@ -180,8 +180,7 @@ def api(trim: Callable[[int], int], count: int, max_new_tokens: int) -> dict[str
 
 def main(argv: list[str]) -> int:
     path = ctypes.util.find_library("c")
-    libc = ctypes.CDLL(path) if path else None
-    trim = getattr(libc, "malloc_trim", None)
+    trim = getattr(ctypes.CDLL(path), "malloc_trim", None) if path else None
     if trim is None:
         return NO_TRIM
     if argv[0] == "linear":

@@ -142,7 +142,8 @@ def test_app_memory_within_a_conversation_is_the_kv_cache() -> None:
     assert context[-1] > context[0] + 600  # one long conversation
     curve = ", ".join(f"{mb:.1f} (kv {k:.1f}, ctx {c})" for mb, k, c in zip(rss, used, context,
                                                                              strict=True))
-    assert rss[-1] - rss[3] < used[-1] - used[3] + 10, f"RSS by answer (MB): {curve}"
+    # from the first answers' high-water mark: a dip at answer 4 would otherwise tighten it
+    assert rss[-1] - max(rss[:4]) < used[-1] - used[3] + 10, f"RSS by answer (MB): {curve}"
 
 
 @pytest.mark.real_model
