@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import assert_user_error, run_cli
 
 from localspec.errors import ModelLoadError
@@ -227,10 +228,11 @@ def test_the_draft_is_tried_in_each_cpu_form_and_the_fastest_saved(
     assert report["after"]["settings"].endswith("draft requant-q4k")
 
 
-def test_the_draft_form_stage_only_where_a_cpu_draft_model_runs(presets: dict[str, str],
-                                                              tmp_path: Path) -> None:
+def test_the_draft_form_stage_only_where_a_cpu_draft_model_runs(
+        presets: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A built-in GGUF draft may also keep its own types (w4a8); a folder's may not. The stage
     has no candidates where the draft model does not run, nor for a draft on a GPU."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # "auto" is the CPU here
     shipped = load_preset("cpu-qwen-coder-auto")
     assert tuning.draft_forms(shipped) == ["requant-q3m", "w8a8", "w4a8", "requant-q4k"]
     preset = load_preset(presets["draft"])

@@ -75,10 +75,13 @@ class Settings:
     members: tuple[str, ...] = ()  # "auto"'s, as [localspec] drafters lists them
     draft_quantization: str = "none"  # [speculative_config] quantization: the draft model's
 
+    def drafters(self) -> tuple[str, ...]:
+        """The drafters these settings run: auto's members, else the method alone."""
+        return self.members if self.method == AUTO else (self.method,)
+
     def runs_draft_model(self) -> bool:
         """Whether these settings run the draft model (alone or as a member of auto)."""
-        runs = self.members if self.method == AUTO else (self.method,)
-        return any(drafter_spec(m).needs == "draft_model" for m in runs)
+        return any(drafter_spec(m).needs == "draft_model" for m in self.drafters())
 
     def label(self) -> str:
         if self.method == "none":
@@ -120,7 +123,7 @@ def changes(preset: Preset, s: Settings) -> list[tuple[str, str, Any]]:
         ("localspec", "drafters", list(s.members) if auto and s.members else None)]
     if s.draft_quantization != preset.speculative_config.quantization:
         out.append(("speculative_config", "quantization", s.draft_quantization))
-    runs = s.members if auto else (s.method,)
+    runs = s.drafters()
     if preset.localspec.head is not None and not (auto and "draft_model" in runs):
         out.append(("localspec", "head", None))
         if any(drafter_spec(m).needs == "head" for m in runs):
