@@ -83,7 +83,6 @@ class Answer:
             plain = pipe.run(pipe.request(ids, max_new_tokens=tokens, temperature=0.0), "none")
         finally:
             del target.forward
-        self.plain_speed = plain.stats.tokens_per_second
         self.tokens = answer = list(plain.token_ids)
         self.per_pass = (plain.stats.wall_time - inside[0]) / plain.stats.target_forward_passes
         # the draft's guess after every true prefix, in one pass (row-exact in the native stack)
