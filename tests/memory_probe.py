@@ -98,8 +98,8 @@ def warm_row_counts(decoder: object) -> int:
 def app(trim: Callable[[int], int], count: int, clear_every: int,
         max_new_tokens: int) -> dict[str, list]:
     """The app's chat handler on SmolLM2: ``count`` questions, Clear every ``clear_every``;
-    after each answer the settled RSS, the KV cache's allocation and the part of it the context
-    fills (MB), and the context's length."""
+    after each answer the settled RSS, the part of the KV cache's allocation the context fills
+    (MB), and the context's length."""
     host = ModelHost(audit=False)
     if not host.load(SMOL):
         raise SystemExit(f"could not load {SMOL}: {host.status().error}")
@@ -110,7 +110,7 @@ def app(trim: Callable[[int], int], count: int, clear_every: int,
     settings = Settings(temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=max_new_tokens,
                         k=8, seed=0)
     history: list[dict] = []
-    points: dict[str, list] = {"rss": [], "kv": [], "kv_used": [], "context": [], "turns": [],
+    points: dict[str, list] = {"rss": [], "kv_used": [], "context": [], "turns": [],
                                "notices": []}
     for i in range(count):
         if i and i % clear_every == 0:
@@ -121,8 +121,8 @@ def app(trim: Callable[[int], int], count: int, clear_every: int,
         history = last.history
         cache = runner.kv_cache
         points["rss"].append(settled_rss(trim))
-        points["kv"].append((cache.keys.nbytes + cache.values.nbytes) / MB)
-        points["kv_used"].append(points["kv"][-1] * runner.length / cache.keys.shape[2])
+        allocated = (cache.keys.nbytes + cache.values.nbytes) / MB
+        points["kv_used"].append(allocated * runner.length / cache.keys.shape[2])
         points["context"].append(runner.length)
         points["turns"].append(len(history))
         points["notices"].append(last.notice)
