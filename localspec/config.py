@@ -30,8 +30,9 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from localspec.drafter_set import DrafterSet, check_members, members_of, resolve
 from localspec.errors import PresetError, RequestError
-from localspec.registry import AUTO, check_members, drafter_spec, members_of, method_names
+from localspec.registry import AUTO, drafter_spec, method_names
 
 # ----------------------------------------------------------------------------- names
 
@@ -249,7 +250,7 @@ class LocalSpecConfig(BaseModel):
     draft_vocab_size: Annotated[int, Field(ge=0)] = 0  # draft LM head cut to N ids (0 = all)
     lookup_first: bool = False  # n-gram lookup first, the draft model or head on a miss
     tree_width: TreeWidth = 1  # greedy: first-token candidates verified as a tree (1: a chain)
-    # method "auto"'s members (none listed: registry.members_of's; checked by check_members)
+    # method "auto"'s members (none listed: drafter_set.members_of's; checked by check_members)
     drafters: Annotated[tuple[Method, ...], Field(strict=False)] = ()
     head: NonEmpty | None = None  # auto's head beside the draft model [speculative_config] names
     # CUDA only, experimental: static KV caches of DEFAULT_CONTEXT tokens and every forward of
@@ -288,9 +289,9 @@ class Preset(BaseModel):
         return ModelSpec(t.model, dtype=t.dtype, device=t.device, quantization=t.quantization)
 
     @model_validator(mode="after")
-    def _members(self) -> Preset:
+    def _check_members(self) -> Preset:
         sc, ls = self.speculative_config, self.localspec
-        check_members(sc.method, ls.drafters, self.drafter_methods(), sc.model is not None,
+        check_members(sc.method, ls.drafters, self._member_names(), sc.model is not None,
                       ls.head is not None)
         return self
 
@@ -299,7 +300,16 @@ class Preset(BaseModel):
         model``."""
         return self.localspec.head or self.speculative_config.model or ""
 
-    def drafter_methods(self, method: str | None = None) -> tuple[str, ...]:
+    def drafter_set(self, method: str | None = None) -> DrafterSet:
+        """Method ``method`` (default: the preset's) resolved into the drafters its engine
+        runs; PresetError unless it is registered and this preset meets each member's needs
+        (``drafter_set.resolve``). Needs no model: callers resolve every method they will run
+        before loading anything."""
+        method = method or self.speculative_config.method
+        return resolve(method, self._member_names(method), self._member_names(),
+                       self.draft_spec() is not None, self.name, self.speculative_config.method)
+
+    def _member_names(self, method: str | None = None) -> tuple[str, ...]:
         """The drafters an engine for ``method`` (default: the preset's) runs (members_of)."""
         sc, ls = self.speculative_config, self.localspec
         return members_of(method or sc.method, sc.method, sc.model is not None, ls.drafters,
@@ -307,7 +317,7 @@ class Preset(BaseModel):
 
     def draft_spec(self) -> ModelSpec | None:
         """The draft model to load (None when ``model`` is absent or names a head)."""
-        sc, needs = self.speculative_config, {drafter_spec(m).needs for m in self.drafter_methods()}
+        sc, needs = self.speculative_config, {drafter_spec(m).needs for m in self._member_names()}
         if sc.model is None or ("head" in needs and self.localspec.head is None):
             return None
         return ModelSpec(sc.model, dtype=self.localspec.draft_dtype, device=self.target.device,

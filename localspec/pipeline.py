@@ -8,13 +8,15 @@ that needs a head (EAGLE, EAGLE-3, Medusa) reads it from ``[speculative_config] 
 engine is first asked for; the head shares the target's runner (it reads its features).
 
 What a request or a method choice may be is decided from the preset alone
-(``request_settings_for``, ``check_method``), before any model is loaded: a typo in a flag must
-not cost a model load, and a benchmark must not fail halfway through on a method its preset
-cannot run.
+(``request_settings_for``, ``Preset.drafter_set``), before any model is loaded: a typo in a flag
+must not cost a model load, and a benchmark must not fail halfway through on a method its preset
+cannot run. A method is resolved once into its ``DrafterSet``; the engine gets its members'
+drafters as a tuple, and its policy picks among them each step.
 """
 
 from __future__ import annotations
 
+import importlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -30,34 +32,17 @@ from localspec.config import (
     RequestSettings,
     request_settings,
 )
-from localspec.drafters.base import Drafter
-from localspec.drafters.multi import MultiDrafter, build_drafter
+from localspec.drafter_set import DrafterSet
+from localspec.drafters.base import BuildContext
+from localspec.engine.drafter import Drafter
 from localspec.engine.engine import GenerationRequest, SpeculativeEngine, StepEvent
 from localspec.engine.stats import GenerationStats
 from localspec.errors import PresetError, RequestError
 from localspec.models.cache import Progress
 from localspec.models.loading import LoadedModel, check_same_tokenizer, load_model
-from localspec.registry import AUTO, DrafterSpec, drafter_spec
+from localspec.registry import drafter_spec
 from localspec.runtime.runner import ModelRunner
 from localspec.sampling import SamplingParams
-
-
-def check_method(preset: Preset, method: str) -> None:
-    """PresetError unless ``preset`` can run ``method`` (a registered method whose needs the
-    preset meets); needs no model, so callers check every method they will run before loading
-    anything."""
-    drafter_spec(method)  # a registered method
-    sc, own = preset.speculative_config, preset.drafter_methods()
-    for name in preset.drafter_methods(method):  # "auto": each of its members
-        needs = drafter_spec(name).needs
-        if needs == "draft_model" and preset.draft_spec() is None:
-            raise PresetError(f"method '{name}' needs a draft model, and preset "
-                              f"'{preset.name}' names none in [speculative_config] model")
-        if needs == "head" and name not in own:
-            raise PresetError(f"method '{name}' needs a head made for this target in "
-                              f"[speculative_config] model, and preset '{preset.name}' is set "
-                              f"up for method '{sc.method}': use a preset with method = "
-                              f"\"{name}\"")
 
 
 def request_settings_for(preset: Preset, **overrides: object) -> RequestSettings:
@@ -197,27 +182,29 @@ class Pipeline:
                               f"preset '{self.preset.name}' was loaded without one")
         return self.draft
 
-    def _make_drafter(self, spec: DrafterSpec) -> Drafter | None:
-        """The registered method's drafter (None: plain decoding); with ``lookup_first`` a
-        method that drafts with a model or a head runs with n-gram lookup as an ``auto`` set
-        of the two (``Preset.drafter_methods``)."""
+    def build_drafter(self, name: str) -> Drafter:
+        """Registered drafter ``name``, made by its registered build with this pipeline as
+        its ``BuildContext``."""
+        spec = drafter_spec(name)
         if spec.build is None:
-            return None
+            raise ValueError(f"method '{name}' is not a drafter")
         if spec.needs == "draft_model" and self.draft is None:
-            raise PresetError(f"method '{spec.name}' needs a draft model, and this pipeline of "
+            raise PresetError(f"method '{name}' needs a draft model, and this pipeline of "
                               f"preset '{self.preset.name}' was loaded without one")
-        methods = self.preset.drafter_methods(spec.name)
-        if len(methods) > 1 and spec.name != AUTO:
-            return MultiDrafter([build_drafter(drafter_spec(name), self) for name in methods])
-        return build_drafter(spec, self)
+        module, _, function = spec.build.partition(":")
+        build: Callable[[BuildContext], Drafter] = getattr(importlib.import_module(module),
+                                                           function)
+        return build(self)
 
-    def engine(self, method: str | None = None) -> SpeculativeEngine:
-        """The engine for ``method`` (default: the preset's), sharing the target's runner."""
-        method = method or self.preset.speculative_config.method
-        check_method(self.preset, method)
-        if method not in self._engines:
-            self._engines[method] = self.engine_with(self._make_drafter(drafter_spec(method)))
-        return self._engines[method]
+    def engine(self, method: str | DrafterSet | None = None) -> SpeculativeEngine:
+        """The engine for ``method`` (default: the preset's; a name is resolved here, once),
+        sharing the target's runner; made when first asked for."""
+        drafters = (method if isinstance(method, DrafterSet)
+                    else self.preset.drafter_set(method))
+        if drafters.method not in self._engines:
+            self._engines[drafters.method] = self.engine_with(
+                tuple(self.build_drafter(name) for name in drafters.members))
+        return self._engines[drafters.method]
 
     def request(self, prompt_ids: list[int], stop_strings: tuple[str, ...] = (),
                 reuse_prefix: bool = False, **overrides: object) -> GenerationRequest:
@@ -232,17 +219,17 @@ class Pipeline:
             stop_strings=stop_strings, seed=r.seed, tree_width=r.tree_width,
             reuse_prefix=reuse_prefix)
 
-    def engine_with(self, drafter: Drafter | None) -> SpeculativeEngine:
-        """An engine over the target's runner with ``drafter`` (None: plain decoding); not
+    def engine_with(self, drafters: tuple[Drafter, ...]) -> SpeculativeEngine:
+        """An engine over the target's runner with ``drafters`` (none: plain decoding); not
         cached (``engine`` caches one per method)."""
-        return SpeculativeEngine(self.target_runner(), drafter, self._decode,
+        return SpeculativeEngine(self.target_runner(), drafters, self._decode,
                                  self.eos_token_ids())
 
-    def stream(self, request: GenerationRequest, method: str | None = None,
+    def stream(self, request: GenerationRequest, method: str | DrafterSet | None = None,
                cancelled: Callable[[], bool] = lambda: False) -> Iterator[StepEvent]:
         return self.engine(method).generate(request, cancelled)
 
-    def run(self, request: GenerationRequest, method: str | None = None,
+    def run(self, request: GenerationRequest, method: str | DrafterSet | None = None,
             on_event: Callable[[StepEvent], None] | None = None,
             engine: SpeculativeEngine | None = None) -> GenerationResult:
         """Generate to the end (with ``engine`` if given, else the method's); collect events,

@@ -72,6 +72,9 @@ class DrafterSpec:
     # heads of the method are shaped (a built-in head counts as its files instead); None: none
     weight_bytes: Callable[[TargetShape], int] | None = None
     trainable: bool = False  # train-drafter can train one (localspec.training.heads)
+    # not a drafter but a set of them, one chosen each step by the engine's policy (``auto``:
+    # its members are resolved by ``localspec.drafter_set``)
+    chooses: bool = False
 
     def __post_init__(self) -> None:
         """A malformed entry is a programming error, caught when the registry is imported."""
@@ -83,12 +86,15 @@ class DrafterSpec:
         if self.needs not in NEEDS:
             raise ValueError(f"drafter '{self.name}': needs must be one of {NEEDS}")
         if self.build is None and (self.needs != "nothing" or self.vllm_method):
-            raise ValueError(f"drafter '{self.name}': without a build it is plain decoding")
+            raise ValueError(f"drafter '{self.name}': without a build it is plain decoding "
+                             "or a set")
+        if self.chooses and self.build is not None:
+            raise ValueError(f"'{self.name}' chooses among drafters: it has no build")
 
     @property
     def speculative(self) -> bool:
         """Whether it drafts at all (False for plain decoding)."""
-        return self.build is not None
+        return self.build is not None or self.chooses
 
 
 # ----------------------------------------------------------------------------- head sizes
@@ -125,7 +131,7 @@ def medusa_bytes(t: TargetShape) -> int:
 
 # ----------------------------------------------------------------------------- the registry
 
-AUTO = "auto"  # several drafters, the best chosen each step (drafters/multi.py, engine/choice.py)
+AUTO = "auto"  # several drafters, the best chosen each step (drafter_set.py, engine/choice.py)
 
 DRAFTERS: tuple[DrafterSpec, ...] = (
     DrafterSpec("none", "none (plain decoding)", build=None),
@@ -143,7 +149,7 @@ DRAFTERS: tuple[DrafterSpec, ...] = (
                 builtin_head_note="its Medusa heads read the target's own LM head (the rows in "
                                   "token_map); vLLM's Medusa needs LM heads inside the "
                                   "checkpoint, so vLLM cannot load these heads as they are"),
-    DrafterSpec(AUTO, "Auto: best drafter each step", "localspec.drafters.multi:build"),
+    DrafterSpec(AUTO, "Auto: best drafter each step", build=None, chooses=True),
 )
 
 
@@ -173,55 +179,3 @@ def methods_needing(needs: Needs) -> tuple[str, ...]:
 def trainable_methods() -> tuple[str, ...]:
     """The methods whose heads ``train-drafter`` trains."""
     return tuple(spec.name for spec in DRAFTERS if spec.trainable)
-
-
-def check_members(method: str, listed: tuple[str, ...], members: tuple[str, ...],
-                  has_model: bool, has_head: bool = False) -> None:
-    """ValueError unless ``members``, of a preset of ``method`` that lists ``listed`` in
-    [localspec] drafters, can be the drafters of one engine: a list only for "auto";
-    registered drafters (not plain decoding, not "auto"), each once; at most one draft model
-    and one head, each named: a lone one by ``[speculative_config] model``, a head beside a
-    draft model by ``[localspec] head`` (``has_head``), read by a head member only."""
-    if listed and method != AUTO:
-        raise ValueError(f"[localspec] drafters lists the members of method '{AUTO}', and "
-                         f"[speculative_config] method is '{method}'")
-    for name in members:
-        if name == AUTO or not drafter_spec(name).speculative:
-            raise ValueError(f"[localspec] drafters: '{name}' is not a drafter; list drafters "
-                             f"such as 'ngram', 'draft_model', 'eagle3'")
-    if len(set(members)) < len(members):
-        raise ValueError(f"[localspec] drafters lists a drafter twice: {list(members)}")
-    needing = {drafter_spec(name).needs: name for name in members
-               if drafter_spec(name).needs != "nothing"}
-    heads = [name for name in members if drafter_spec(name).needs == "head"]
-    if len(heads) > 1:
-        raise ValueError(f"[localspec] drafters: {' and '.join(heads)} are both heads, and a "
-                         "preset names one head: keep one of them")
-    if needing and not has_model:
-        raise ValueError(f"[localspec] drafters: '{next(iter(needing.values()))}' needs "
-                         "[speculative_config] model (the draft model or head to load)")
-    if len(needing) == 2 and not has_head:
-        raise ValueError(f"[localspec] drafters: '{needing['head']}' beside a draft model "
-                         "needs [localspec] head (the head to load; [speculative_config] model "
-                         "is the draft model)")
-    if has_head and (method != AUTO or "head" not in needing):
-        raise ValueError("[localspec] head names the head of an 'auto' preset's head member "
-                         "(such as 'eagle3' in [localspec] drafters); a lone head is "
-                         "[speculative_config] model")
-
-
-def members_of(method: str, preset_method: str, has_model: bool, listed: tuple[str, ...],
-               lookup_first: bool) -> tuple[str, ...]:
-    """The drafters an engine for ``method`` runs in a preset of ``preset_method`` (one chosen
-    each step when several): "auto"'s members are ``listed`` ([localspec] drafters), else n-gram
-    lookup and, when [speculative_config] model names one (``has_model``), the preset's model
-    or head method or else a draft model; a method that needs a model or head runs behind
-    lookup with ``lookup_first``; plain decoding has none."""
-    if method == AUTO:
-        needs = drafter_spec(preset_method).needs
-        own = preset_method if needs != "nothing" else "draft_model"
-        return listed or (("ngram", own) if has_model else ("ngram",))
-    spec = drafter_spec(method)
-    if not spec.speculative:
-        return ()
-    return ("ngram", method) if lookup_first and spec.needs != "nothing" else (method,)

@@ -196,7 +196,7 @@ def main() -> int:
             for method in args.methods.split(","):
                 # fresh drafters: calibration and prices learnt by an earlier run stay out
                 pipe._engines.clear()
-                for member in pipe.engine(method).members():
+                for member in pipe.engine(method).drafters:
                     if threshold is not None and member.confidence_threshold > 0:
                         member.confidence_threshold = threshold
                 line, every = f"{variant:22s} {method:11s}", []

@@ -40,8 +40,7 @@ from localspec.training.prompts import encode_prompts, load_prompts
 
 
 def draft_member(pipe: Pipeline) -> DraftModelDrafter:
-    drafter = pipe.engine("draft_model").drafter
-    for member in getattr(drafter, "members", [drafter]):
+    for member in pipe.engine("draft_model").drafters:
         if isinstance(member, DraftModelDrafter):
             return member
     raise SystemExit("this preset has no draft model")

@@ -19,10 +19,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config
 
 from localspec.cli.main import main
-from localspec.drafters.base import Drafter
 from localspec.drafters.draft_model import DraftModelDrafter
-from localspec.drafters.multi import MultiDrafter
 from localspec.drafters.ngram import NgramDrafter
+from localspec.engine.drafter import Drafter
 from localspec.engine.engine import GenerationRequest, SpeculativeEngine, StepEvent
 from localspec.runtime.runner import ModelRunner
 
@@ -192,19 +191,19 @@ def draft_drafter(model: PreTrainedModel, threshold: float = 0.0,
 @pytest.fixture
 def make_drafter(target_model: PreTrainedModel, random_draft_model: PreTrainedModel,
                  close_draft_model: PreTrainedModel, padded_draft_model: PreTrainedModel
-                 ) -> Callable[[str], Drafter]:
-    """A drafter by kind over the tiny models, fresh for each call (the engine tests'
-    drafters: n-gram lookup, draft models random, close, padded, the target itself)."""
-    def make(kind: str) -> Drafter:
+                 ) -> Callable[[str], tuple[Drafter, ...]]:
+    """An engine's drafters by kind over the tiny models, fresh for each call (the engine
+    tests' drafters: n-gram lookup, draft models random, close, padded, the target itself, and
+    lookup in front of the close draft model)."""
+    def make(kind: str) -> tuple[Drafter, ...]:
         return {
-            "ngram": lambda: NgramDrafter(prompt_lookup_max=4, prompt_lookup_min=1),
-            "random-draft": lambda: draft_drafter(random_draft_model),
-            "close-draft": lambda: draft_drafter(close_draft_model),
-            "close-draft-threshold": lambda: draft_drafter(close_draft_model, threshold=0.3),
-            "self-draft": lambda: draft_drafter(target_model),
-            "padded-draft": lambda: draft_drafter(padded_draft_model),
-            "lookup-first": lambda: MultiDrafter([NgramDrafter(3, 2),
-                                                  draft_drafter(close_draft_model)]),
+            "ngram": lambda: (NgramDrafter(prompt_lookup_max=4, prompt_lookup_min=1),),
+            "random-draft": lambda: (draft_drafter(random_draft_model),),
+            "close-draft": lambda: (draft_drafter(close_draft_model),),
+            "close-draft-threshold": lambda: (draft_drafter(close_draft_model, threshold=0.3),),
+            "self-draft": lambda: (draft_drafter(target_model),),
+            "padded-draft": lambda: (draft_drafter(padded_draft_model),),
+            "lookup-first": lambda: (NgramDrafter(3, 2), draft_drafter(close_draft_model)),
         }[kind]()
 
     return make

@@ -8,7 +8,7 @@ import torch
 from conftest import collect, decode
 from transformers import PreTrainedModel
 
-from localspec.drafters.base import Drafter, Proposal
+from localspec.engine.drafter import Drafter, DrafterTraits, Proposal
 from localspec.engine.engine import GenerationRequest, SpeculativeEngine
 from localspec.runtime.runner import ModelRunner
 from localspec.sampling import SamplingParams
@@ -33,7 +33,7 @@ def request(prompt: list[int], k: int = 3, adaptive: bool = False, max_new_token
 
 def plain_tokens(target_model: PreTrainedModel, prompt: list[int], eos: set[int] | None = None,
                  max_new_tokens: int = MAX_NEW) -> list[int]:
-    engine = SpeculativeEngine(ModelRunner(target_model), None, decode, eos or set())
+    engine = SpeculativeEngine(ModelRunner(target_model), (), decode, eos or set())
     return collect(engine, request(prompt, max_new_tokens=max_new_tokens))[0]
 
 
@@ -43,16 +43,16 @@ class Gate(Drafter):
     first in a set of drafters, it leaves the next one skipped for several steps at a time,
     then asked."""
 
-    name = "gate"
+    traits = DrafterTraits("gate")
 
     def __init__(self, reference: list[int], prompt_length: int, block: int = 6) -> None:
         self.reference, self.prompt_length, self.block = reference, prompt_length, block
 
-    def reset(self) -> None:
+    def reset(self, keep_cache: bool = False) -> None:
         """Stateless: the context says where the answer is."""
 
     def propose(self, context: list[int], k: int, params: SamplingParams,
-                generator: torch.Generator) -> Proposal:
+                generator: torch.Generator, width: int = 1) -> Proposal:
         done = len(context) - self.prompt_length
         if (done // self.block) % 2:
             return Proposal([])

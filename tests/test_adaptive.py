@@ -9,7 +9,7 @@ from conftest import collect, decode, draft_drafter
 from engine_helpers import PROMPTS, request
 from transformers import PreTrainedModel
 
-import localspec.engine.engine as engine_module
+import localspec.engine.choice as choice_module
 from localspec.drafters.base import Calibration
 from localspec.engine.adaptive import DRAFT_MARGIN, FIRST_K, AdaptiveK, expected_tokens
 from localspec.engine.choice import DrafterChoice
@@ -126,7 +126,7 @@ def choices_made(monkeypatch: pytest.MonkeyPatch
         made.append((list(stops_itself or []), list(kept_shares or [])))
         return DrafterChoice(count, k_max, enabled, stops_itself or [], kept_shares or [])
 
-    monkeypatch.setattr(engine_module, "DrafterChoice", recording)
+    monkeypatch.setattr(choice_module, "DrafterChoice", recording)
     return made
 
 
@@ -136,7 +136,7 @@ def test_the_engine_tells_the_choice_which_members_stop_themselves(
     """A draft model with a confidence threshold ends its own chains; without one it does
     not, and adaptive k sets its length. A new drafter has judged nothing yet: no share."""
     for threshold in (0.3, 0.0):
-        engine = SpeculativeEngine(target_runner, draft_drafter(close_draft_model, threshold),
+        engine = SpeculativeEngine(target_runner, (draft_drafter(close_draft_model, threshold),),
                                    decode, set())
         collect(engine, request(PROMPTS["random-b"], k=4, max_new_tokens=4))
     assert choices_made == [([True], [None]), ([False], [None])]
@@ -150,7 +150,7 @@ def test_the_engine_gives_the_choice_each_drafters_kept_share(
     drafter = draft_drafter(close_draft_model, 0.3)
     for i in range(Calibration.LEARNT):  # earlier requests: 3 guesses in 4 kept
         drafter.calibration.record((0.6,), accepted=int(i % 4 != 0))
-    engine = SpeculativeEngine(target_runner, drafter, decode, set())
+    engine = SpeculativeEngine(target_runner, (drafter,), decode, set())
     collect(engine, request(PROMPTS["random-b"], k=4, max_new_tokens=4))
     assert [shares for _, shares in choices_made] == [[pytest.approx(0.75)]]
 

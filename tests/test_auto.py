@@ -26,11 +26,10 @@ from transformers import PreTrainedModel
 
 import localspec.engine.verify as verify_module
 from localspec.config import parse_preset
-from localspec.drafters.base import Drafter, Proposal
 from localspec.drafters.draft_model import DraftModelDrafter
-from localspec.drafters.multi import MultiDrafter
 from localspec.drafters.ngram import NgramDrafter
 from localspec.engine.choice import LONG_COPY_PRIOR, Attempt, DrafterChoice, Shadows
+from localspec.engine.drafter import Drafter, DrafterTraits, Proposal
 from localspec.engine.engine import SpeculativeEngine
 from localspec.engine.stats import GenerationStats
 from localspec.errors import PresetError
@@ -46,8 +45,8 @@ COPY_PROMPT = [7, *BLOCK, 8, 9, *BLOCK, 8, 9, 40, 41]
 @pytest.mark.parametrize("prompt", ["random-a", "repetitive"])
 def test_auto_greedy_equals_plain(prompt: str, adaptive: bool, target_runner: ModelRunner,
                                   close_draft_model: PreTrainedModel) -> None:
-    drafter = MultiDrafter([NgramDrafter(3, 1), draft_drafter(close_draft_model)])
-    engine = SpeculativeEngine(target_runner, drafter, decode, set())
+    drafters = (NgramDrafter(3, 1), draft_drafter(close_draft_model))
+    engine = SpeculativeEngine(target_runner, drafters, decode, set())
     tokens, events = collect(engine, request(PROMPTS[prompt], k=4, adaptive=adaptive))
     assert tokens == plain_tokens(target_runner.model, PROMPTS[prompt])
     assert {e.drafter for e in events if e.drafted} <= {"ngram", "draft_model"}
@@ -60,8 +59,8 @@ def test_the_engine_switches_drafters_within_one_answer(
     """Lookup drafts first (the prompt ends inside a repeated block: a sure guess), the draft
     model (here the target itself: always right) where lookup has nothing or misses; events
     and stats name each."""
-    drafter = MultiDrafter([NgramDrafter(4, 2), draft_drafter(target_model)])
-    engine = SpeculativeEngine(target_runner, drafter, decode, set())
+    drafters = (NgramDrafter(4, 2), draft_drafter(target_model))
+    engine = SpeculativeEngine(target_runner, drafters, decode, set())
     tokens, events = collect(engine, request(COPY_PROMPT, k=4, adaptive=adaptive))
     assert tokens == plain_tokens(target_model, COPY_PROMPT)
     names = [e.drafter for e in events if e.drafted]
@@ -84,14 +83,16 @@ class Checked(Drafter):
     drafter that fell out of step with the context while skipped proposes otherwise."""
 
     def __init__(self, inner: Drafter, fresh: Callable[[], Drafter]) -> None:
-        self.inner, self.fresh, self.name = inner, fresh, inner.name
+        # not free even where ``inner`` is: only the engine's own asks are counted
+        self.inner, self.fresh = inner, fresh
+        self.traits = DrafterTraits(inner.traits.name)
         self.asked: list[int] = []  # the context lengths it was asked at
 
-    def reset(self) -> None:
+    def reset(self, keep_cache: bool = False) -> None:
         self.inner.reset()
 
     def propose(self, context: list[int], k: int, params: SamplingParams,
-                generator: torch.Generator) -> Proposal:
+                generator: torch.Generator, width: int = 1) -> Proposal:
         proposal = self.inner.propose(context, k, params, generator)
         reference = self.fresh().propose(context, k, params, generator)
         assert proposal.tokens == reference.tokens, len(context)
@@ -111,8 +112,8 @@ def test_a_skipped_drafter_catches_up(kind: str, target_runner: ModelRunner,
     prompt = PROMPTS["random-b"]
     reference = plain_tokens(target_runner.model, prompt, max_new_tokens=60)
     member = Checked(make(), make)
-    engine = SpeculativeEngine(target_runner, MultiDrafter([Gate(reference, len(prompt)),
-                                                            member]), decode, set())
+    engine = SpeculativeEngine(target_runner, (Gate(reference, len(prompt)),
+                                                            member,), decode, set())
     tokens, events = collect(engine, request(prompt, k=3, max_new_tokens=60))
     assert tokens == reference
     names = [e.drafter for e in events if e.drafted]
@@ -127,14 +128,15 @@ class Miss(Drafter):
     """Always wrong (the plain answer's next token + 1), and slow: drafting never pays."""
 
     def __init__(self, name: str, reference: list[int], prompt_length: int) -> None:
-        self.name, self.reference, self.prompt_length = name, reference, prompt_length
+        self.traits = DrafterTraits(name)
+        self.reference, self.prompt_length = reference, prompt_length
         self.calls = 0
 
-    def reset(self) -> None:
+    def reset(self, keep_cache: bool = False) -> None:
         self.calls = 0
 
     def propose(self, context: list[int], k: int, params: SamplingParams,
-                generator: torch.Generator) -> Proposal:
+                generator: torch.Generator, width: int = 1) -> Proposal:
         self.calls += 1
         time.sleep(0.01 * k)  # many times a tiny target's pass
         truth = self.reference[len(context) - self.prompt_length]
@@ -145,7 +147,7 @@ def test_plain_steps_except_probes_when_no_drafter_pays(target_runner: ModelRunn
     prompt, n = PROMPTS["random-a"], 120
     reference = plain_tokens(target_runner.model, prompt, max_new_tokens=n)
     members = [Miss("miss-a", reference, len(prompt)), Miss("miss-b", reference, len(prompt))]
-    engine = SpeculativeEngine(target_runner, MultiDrafter(members), decode, set())
+    engine = SpeculativeEngine(target_runner, members, decode, set())
     tokens, events = collect(engine, request(prompt, k=4, adaptive=True, max_new_tokens=n))
     assert tokens == reference
     drafted = [e for e in events if e.drafted]
@@ -216,21 +218,20 @@ class OneHotSometimes(Drafter):
     """A deterministic drafter (q one-hot, ``q_draft`` None) that guesses token 3 on contexts
     of even length and has nothing on the others, so the draft model drafts those."""
 
-    name = "onehot"
+    traits = DrafterTraits("onehot")
 
-    def reset(self) -> None:
+    def reset(self, keep_cache: bool = False) -> None:
         """Stateless."""
 
     def propose(self, context: list[int], k: int, params: SamplingParams,
-                generator: torch.Generator) -> Proposal:
+                generator: torch.Generator, width: int = 1) -> Proposal:
         return Proposal([3] * min(k, 2)) if len(context) % 2 == 0 else Proposal([])
 
 
 def mixed_counts(target: PreTrainedModel, draft: PreTrainedModel, seeds: range
                  ) -> tuple[torch.Tensor, torch.Tensor, set[Any]]:
-    drafter = MultiDrafter([OneHotSometimes(),
-                            DraftModelDrafter(ModelRunner(draft), STAT_VOCAB, STAT_VOCAB)])
-    first, second, stats = first_two_counts(target, drafter, seeds)
+    drafters = (OneHotSometimes(), DraftModelDrafter(ModelRunner(draft), STAT_VOCAB, STAT_VOCAB))
+    first, second, stats = first_two_counts(target, drafters, seeds)
     return first, second, set(stats.drafters())
 
 
@@ -267,16 +268,16 @@ def preset(method: str = "auto", model: str | None = "some/draft",
 
 
 def test_auto_members_default_and_listed() -> None:
-    assert parse_preset(preset()).drafter_methods() == ("ngram", "draft_model")
-    assert parse_preset(preset(model=None)).drafter_methods() == ("ngram",)
+    assert parse_preset(preset()).drafter_set().members == ("ngram", "draft_model")
+    assert parse_preset(preset(model=None)).drafter_set().members == ("ngram",)
     head = parse_preset(preset(drafters=["eagle3", "ngram"]))
-    assert head.drafter_methods() == ("eagle3", "ngram") and head.draft_spec() is None
+    assert head.drafter_set().members == ("eagle3", "ngram") and head.draft_spec() is None
     assert parse_preset(preset()).draft_spec() is not None
     eagle = parse_preset(preset("eagle3"))
-    assert eagle.drafter_methods("auto") == ("ngram", "eagle3")
+    assert eagle.drafter_set("auto").members == ("ngram", "eagle3")
     lookup = parse_preset(preset("draft_model", lookup_first=True))
-    assert lookup.drafter_methods() == ("ngram", "draft_model")
-    assert parse_preset(preset("none", model=None)).drafter_methods() == ()
+    assert lookup.drafter_set().members == ("ngram", "draft_model")
+    assert parse_preset(preset("none", model=None)).drafter_set().members == ()
     three = parse_preset(preset(drafters=["ngram", "eagle3", "draft_model"], head="some/head"))
     assert three.draft_spec() is not None and three.draft_spec().model == "some/draft"
     assert three.head_source() == "some/head" and head.head_source() == "some/draft"
@@ -335,17 +336,16 @@ def test_a_shadow_guess_is_settled_by_the_output() -> None:
 class TwoRight(Drafter):
     """Free, like lookup: the plain answer's next two tokens, then a wrong one."""
 
-    name = "two-right"
-    free = True
+    traits = DrafterTraits("two-right", free=True)
 
     def __init__(self, reference: list[int], prompt_length: int) -> None:
         self.reference, self.prompt_length = reference, prompt_length
 
-    def reset(self) -> None:
+    def reset(self, keep_cache: bool = False) -> None:
         pass
 
     def propose(self, context: list[int], k: int, params: SamplingParams,
-                generator: torch.Generator) -> Proposal:
+                generator: torch.Generator, width: int = 1) -> Proposal:
         at = len(context) - self.prompt_length
         right = self.reference[at:at + 2]
         return Proposal([*right, (self.reference[at + 2] + 1) % 64] if len(right) == 2 else [])
@@ -370,8 +370,8 @@ def test_a_free_drafter_learns_from_steps_another_drafted(
     monkeypatch.setattr(DrafterChoice, "shadow", shadow)
     prompt = PROMPTS["random-a"]
     reference = plain_tokens(target_model, prompt, max_new_tokens=MAX_NEW + 3)
-    drafter = MultiDrafter([draft_drafter(target_model), TwoRight(reference, len(prompt))])
-    engine = SpeculativeEngine(target_runner, drafter, decode, set())
+    drafters = (draft_drafter(target_model), TwoRight(reference, len(prompt)))
+    engine = SpeculativeEngine(target_runner, drafters, decode, set())
     sampling = GREEDY if greedy else SamplingParams(temperature=1.0)
     tokens, events = collect(engine, request(prompt, k=4, adaptive=False, sampling=sampling))
     if not greedy:

@@ -90,14 +90,16 @@ def test_the_engine_records_every_verified_chain(target_runner: ModelRunner,
                                                  close_draft_model: PreTrainedModel,
                                                  target_model: PreTrainedModel) -> None:
     """Each step's judged drafts (the accepted ones and the first rejected) reach the drafter's
-    calibration, which outlives a new answer; the tokens are plain decoding's."""
+    calibration, which outlives a new answer, but the last step's (the drafter reads a verdict
+    off the next context it is shown, and the answer ends there); the tokens are plain
+    decoding's."""
     drafter = draft_drafter(close_draft_model, threshold=0.3)
-    engine = SpeculativeEngine(target_runner, drafter, decode, set())
+    engine = SpeculativeEngine(target_runner, (drafter,), decode, set())
     prompt = PROMPTS["random-b"]
     tokens, events = collect(engine, request(prompt, k=4, max_new_tokens=40))
     assert tokens == plain_tokens(target_model, prompt, max_new_tokens=40)
-    judged = sum(min(e.accepted + 1, len(e.drafted)) for e in events)
-    kept = sum(e.accepted for e in events)
+    judged = sum(min(e.accepted + 1, len(e.drafted)) for e in events[:-1])
+    kept = sum(e.accepted for e in events[:-1])
     assert 0 < kept < judged  # acceptances and rejections both occurred
     assert sum(drafter.calibration.drafted) == judged
     assert sum(drafter.calibration.accepted) == kept

@@ -12,7 +12,6 @@ from engine_helpers import Gate, plain_tokens, request
 from transformers import PreTrainedModel
 
 import localspec.engine.choice as choice_module
-from localspec.drafters.multi import MultiDrafter
 from localspec.engine.choice import CATCH_UP_ALLOWANCE, CATCH_UP_RENT, Attempt, DrafterChoice
 from localspec.engine.engine import SpeculativeEngine
 from localspec.runtime.runner import ModelRunner
@@ -89,7 +88,7 @@ def test_the_draft_model_never_reads_the_prompt_while_another_drafter_keeps_ever
     reference = plain_tokens(target_runner.model, prompt, max_new_tokens=60)
     draft = draft_drafter(close_draft_model)
     always_right = Gate(reference, len(prompt), block=len(reference))  # one open block
-    engine = SpeculativeEngine(target_runner, MultiDrafter([always_right, draft]), decode, set())
+    engine = SpeculativeEngine(target_runner, (always_right, draft), decode, set())
     tokens, events = collect(engine, request(prompt, k=3, adaptive=True, max_new_tokens=40))
     assert tokens == reference[:40]
     assert {e.drafter for e in events if e.drafted} == {"gate"}
@@ -100,9 +99,9 @@ def test_a_draft_model_tells_its_backlog_and_times_its_catch_up(
         close_draft_model: PreTrainedModel) -> None:
     draft = draft_drafter(close_draft_model)
     context = [(5 * i + 1) % 64 for i in range(20)]
-    assert draft.backlog(context) == 20
+    assert draft.outlook(context).backlog == 20
     proposal = draft.propose(context, 2, SamplingParams(), torch.Generator().manual_seed(0))
     assert draft.catch_up_cost is not None and draft.catch_up_cost > 0
     longer = [*context, *proposal.tokens[:1], 9]
-    assert draft.backlog(longer) == 1  # it read its first draft: only the target's token
-    assert draft.backlog([*context[:10], 63, 62]) == 2  # a different turn: cropped to 10
+    assert draft.outlook(longer).backlog == 1  # it read its first draft: only the target's token
+    assert draft.outlook([*context[:10], 63, 62]).backlog == 2  # a different turn: cropped to 10

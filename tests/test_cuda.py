@@ -24,8 +24,8 @@ def engines(dtype: torch.dtype) -> tuple[SpeculativeEngine, SpeculativeEngine]:
     drafter = DraftModelDrafter(ModelRunner(draft), target_vocab_size=vocab,
                                 tokenizer_vocab_size=vocab)
     # bf16: float32-exact top logits, as the presets run it, so near-ties cannot flip argmaxes
-    return (SpeculativeEngine(ModelRunner(target, logits_fp32=True), None, decode, set()),
-            SpeculativeEngine(ModelRunner(target, logits_fp32=True), drafter, decode, set()))
+    return (SpeculativeEngine(ModelRunner(target, logits_fp32=True), (), decode, set()),
+            SpeculativeEngine(ModelRunner(target, logits_fp32=True), (drafter,), decode, set()))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -58,8 +58,8 @@ def test_cuda_graphs_are_lossless(dtype: torch.dtype) -> None:
 
     drafter = DraftModelDrafter(graphed(draft), target_vocab_size=vocab,
                                 tokenizer_vocab_size=vocab)
-    spec = SpeculativeEngine(graphed(target, logits_fp32=True), drafter, decode, set())
-    plain = SpeculativeEngine(ModelRunner(target, logits_fp32=True), None, decode, set())
+    spec = SpeculativeEngine(graphed(target, logits_fp32=True), (drafter,), decode, set())
+    plain = SpeculativeEngine(ModelRunner(target, logits_fp32=True), (), decode, set())
     for adaptive in (False, True):
         request = GenerationRequest(PROMPT, max_new_tokens=60, num_speculative_tokens=5,
                                     adaptive=adaptive)

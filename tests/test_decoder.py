@@ -224,10 +224,10 @@ def test_w8a8_greedy_speculation_equals_plain_w8a8(k: int,
                                      sampling=SamplingParams(), num_speculative_tokens=k_,
                                      adaptive=False)
 
-        plain, _ = collect(SpeculativeEngine(target, None, decode, set()), make(k))
+        plain, _ = collect(SpeculativeEngine(target, (), decode, set()), make(k))
         drafter = DraftModelDrafter(draft_runner, target_vocab_size=VOCAB,
                                     tokenizer_vocab_size=VOCAB)
-        tokens, events = collect(SpeculativeEngine(target, drafter, decode, set()), make(k))
+        tokens, events = collect(SpeculativeEngine(target, (drafter,), decode, set()), make(k))
         assert len(plain) == 40
         assert tokens == plain, (prompt, k)
         assert all(len(e.drafted) <= e.k <= k for e in events)

@@ -21,11 +21,10 @@ from tolerance import assert_within, forward_atol, matmul_bound, sum_to_one_atol
 from torch.nn import functional as F
 from transformers import PreTrainedModel
 
-from localspec.drafters.base import Drafter, Proposal
 from localspec.drafters.eagle import EagleDrafter, eagle3_layers
 from localspec.drafters.eagle_head import EagleHead, EagleSpec, HeadCache
 from localspec.drafters.medusa import MedusaDrafter, MedusaHeads
-from localspec.drafters.multi import MultiDrafter
+from localspec.engine.drafter import Drafter, Proposal
 from localspec.engine.engine import GenerationRequest, SpeculativeEngine
 from localspec.runtime.decoder import CpuDecoder
 from localspec.runtime.runner import ModelRunner
@@ -130,8 +129,8 @@ def test_greedy_output_equals_plain_decoding(method: str, path: str) -> None:
     share the runner, and plain decoding records no features although the head asked."""
     model = llama_target()
     runner = RUNNERS[path](model)
-    plain = SpeculativeEngine(runner, None, decode, set())
-    drafted = SpeculativeEngine(runner, drafter_for(method, random_head(method, model), runner),
+    plain = SpeculativeEngine(runner, (), decode, set())
+    drafted = SpeculativeEngine(runner, (drafter_for(method, random_head(method, model), runner),),
                                 decode, set())
     for prompt in PROMPTS:
         reference = collect(plain, request(prompt))[0]
@@ -181,7 +180,7 @@ def test_heads_built_to_be_right_are_accepted(method: str, accepted: int, path: 
     runner = RUNNERS[path](model)
     drafter = drafter_for(method, built_to_be_right(method, model), runner)
     prompt = [5, 17, 33, 2, 80, 95, 96]  # ends as the clock runs: 95, 96, 0, 1, ...
-    tokens, events = collect(SpeculativeEngine(runner, drafter, decode, set()),
+    tokens, events = collect(SpeculativeEngine(runner, (drafter,), decode, set()),
                              request(prompt, k=3, max_new_tokens=40))
     assert tokens == [i % VOCAB for i in range(97, 137)]
     assert [e.accepted for e in events] == [accepted] * len(events)
@@ -254,14 +253,14 @@ class Recording(Drafter):
     """A drafter wrapper that keeps every proposal."""
 
     def __init__(self, inner: Drafter) -> None:
-        self.inner, self.name = inner, inner.name
+        self.inner, self.traits = inner, inner.traits
         self.proposals: list[Proposal] = []
 
-    def reset(self) -> None:
+    def reset(self, keep_cache: bool = False) -> None:
         self.inner.reset()
 
     def propose(self, context: list[int], k: int, params: SamplingParams,
-                generator: torch.Generator) -> Proposal:
+                generator: torch.Generator, width: int = 1) -> Proposal:
         proposal = self.inner.propose(context, k, params, generator)
         self.proposals.append(proposal)
         return proposal
@@ -276,7 +275,7 @@ def test_seeded_sampling_completes_and_repeats(method: str) -> None:
     runner = ModelRunner(model)
     head = random_head(method, model)
     recording = Recording(drafter_for(method, head, runner))
-    engine = SpeculativeEngine(runner, recording, decode, set())
+    engine = SpeculativeEngine(runner, (recording,), decode, set())
     hot = SamplingParams(temperature=1.0, top_p=0.95)
     first = collect(engine, request(PROMPTS[1], max_new_tokens=40, sampling=hot, seed=11))[0]
     again = collect(engine, request(PROMPTS[1], max_new_tokens=40, sampling=hot, seed=11))[0]
@@ -305,7 +304,7 @@ def test_a_head_skipped_by_another_drafter_catches_up(method: str) -> None:
     and the output is plain decoding's."""
     model = llama_target()
     prompt = PROMPTS[1]
-    plain = collect(SpeculativeEngine(ModelRunner(model), None, decode, set()),
+    plain = collect(SpeculativeEngine(ModelRunner(model), (), decode, set()),
                     request(prompt, max_new_tokens=40))[0]
     runner = ModelRunner(model)
     head = random_head(method, model)
@@ -313,14 +312,14 @@ def test_a_head_skipped_by_another_drafter_catches_up(method: str) -> None:
 
     class Checked(Recording):
         def propose(self, context: list[int], k: int, params: SamplingParams,
-                    generator: torch.Generator) -> Proposal:
-            proposal = super().propose(context, k, params, generator)
+                    generator: torch.Generator, width: int = 1) -> Proposal:
+            proposal = super().propose(context, k, params, generator, width)
             assert proposal.tokens == reference_proposal(method, head, model, context, k)
             asked.append(len(context))
             return proposal
 
-    drafter = MultiDrafter([Gate(plain, len(prompt)), Checked(drafter_for(method, head, runner))])
-    tokens, events = collect(SpeculativeEngine(runner, drafter, decode, set()),
+    drafters = (Gate(plain, len(prompt)), Checked(drafter_for(method, head, runner)))
+    tokens, events = collect(SpeculativeEngine(runner, drafters, decode, set()),
                              request(prompt, max_new_tokens=40))
     assert tokens == plain
     assert {e.drafter for e in events if e.drafted} == {"gate", method}

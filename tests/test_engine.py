@@ -17,10 +17,10 @@ from conftest import PADDED_VOCAB, VOCAB, collect, decode, draft_drafter
 from engine_helpers import GREEDY, HOT, PROMPTS, plain_tokens, request
 from transformers import PreTrainedModel
 
-from localspec.drafters.base import Drafter
 from localspec.drafters.draft_model import DraftModelDrafter
-from localspec.drafters.multi import MultiDrafter
 from localspec.drafters.ngram import NgramDrafter
+from localspec.engine.choice import Draft, DraftPolicy
+from localspec.engine.drafter import Drafter
 from localspec.engine.engine import SpeculativeEngine
 from localspec.runtime.runner import ModelRunner
 
@@ -66,7 +66,7 @@ def test_static_graphed_runners_equal_plain(adaptive: bool, target_model: PreTra
 
     drafter = DraftModelDrafter(graphed(close_draft_model), target_vocab_size=VOCAB,
                                 tokenizer_vocab_size=VOCAB)
-    engine = SpeculativeEngine(graphed(target_model), drafter, decode, set())
+    engine = SpeculativeEngine(graphed(target_model), (drafter,), decode, set())
     rejected = 0
     for name, prompt in PROMPTS.items():
         tokens, events = collect(engine, request(prompt, k=5, adaptive=adaptive))
@@ -91,25 +91,30 @@ def test_drafters_exercise_accept_and_reject(target_runner: ModelRunner,
 
 def test_lookup_first_prefers_lookup(close_draft_model: PreTrainedModel) -> None:
     """A lookup hit is proposed as is (one-hot, no model pass); a miss asks the draft model."""
-    model = draft_drafter(close_draft_model)
-    drafter = MultiDrafter([NgramDrafter(3, 2), model])
-    assert drafter.name == "auto"
+    lookup, model = NgramDrafter(3, 2), draft_drafter(close_draft_model)
     generator = torch.Generator().manual_seed(0)
-    hit = drafter.propose(PROMPTS["repetitive"], 3, HOT, generator)
-    assert hit.tokens == [12, 13, 14] and hit.q_draft is None and hit.drafter == "ngram"
-    assert drafter.sure(PROMPTS["repetitive"]) and not drafter.sure(PROMPTS["random-a"])
+
+    def draft(context: list[int]) -> tuple[Draft, DraftPolicy]:
+        policy = DraftPolicy((lookup, model), context, 3, adaptive=False, greedy=False)
+        return policy.draft(context, 3, HOT, generator), policy
+
+    hit, policy = draft(PROMPTS["repetitive"])
+    assert hit.proposal.tokens == [12, 13, 14] and hit.proposal.q_draft is None
+    assert policy.name(hit) == "ngram"
+    assert lookup.outlook(PROMPTS["repetitive"]).sure
+    assert not lookup.outlook(PROMPTS["random-a"]).sure
     assert model.runner.length == 0  # the draft model was not run
-    miss = drafter.propose(PROMPTS["random-a"], 3, HOT, generator)
-    assert len(miss.tokens) == 3 and miss.q_draft is not None
-    assert miss.drafter == "draft_model"
+    miss, policy = draft(PROMPTS["random-a"])
+    assert len(miss.proposal.tokens) == 3 and miss.proposal.q_draft is not None
+    assert policy.name(miss) == "draft_model"
     assert model.runner.length > 0
-    drafter.reset()
+    model.reset()
     assert model.runner.length == 0
 
 def test_self_draft_accepts_everything(target_runner: ModelRunner,
                                        target_model: PreTrainedModel) -> None:
     """Draft = target (same weights, own cache): every greedy draft is accepted."""
-    engine = SpeculativeEngine(target_runner, draft_drafter(target_model), decode, set())
+    engine = SpeculativeEngine(target_runner, (draft_drafter(target_model),), decode, set())
     for prompt in PROMPTS.values():
         events = collect(engine, request(prompt, k=4))[1]
         for event in events:
@@ -131,7 +136,7 @@ def test_padded_draft_vocab_is_masked(padded_draft_model: PreTrainedModel,
     proposal = drafter.propose(PROMPTS["random-a"], 4, HOT, torch.Generator().manual_seed(0))
     assert proposal.q_draft is not None and proposal.q_draft.shape == (4, VOCAB)
     assert all(t < VOCAB for t in proposal.tokens)
-    engine = SpeculativeEngine(target_runner, draft_drafter(padded_draft_model), decode, set())
+    engine = SpeculativeEngine(target_runner, (draft_drafter(padded_draft_model),), decode, set())
     tokens, events = collect(engine, request(PROMPTS["random-a"], k=4))
     assert tokens == plain_reference["random-a"]
     assert max(t for e in events for t in e.drafted) < VOCAB
@@ -141,7 +146,7 @@ def test_tokenizer_smaller_than_vocab_limits_drafts(target_runner: ModelRunner,
                                                     target_model: PreTrainedModel) -> None:
     """Rows past the tokenizer's size are padding too: a draft never proposes them."""
     drafter = draft_drafter(target_model, tokenizer_vocab=50)
-    engine = SpeculativeEngine(target_runner, drafter, decode, set())
+    engine = SpeculativeEngine(target_runner, (drafter,), decode, set())
     tokens, events = collect(engine, request(PROMPTS["random-b"], k=4))
     assert all(t < 50 for e in events for t in e.drafted)
     assert tokens == plain_tokens(target_model, PROMPTS["random-b"])
@@ -155,8 +160,8 @@ def test_cache_rollback_invariants(kind: str, target_runner: ModelRunner,
                                    make_drafter: Callable[[str], Drafter]) -> None:
     """After every step the target cache holds exactly prompt + generated - 1 tokens, and a
     draft model's cache holds exactly the tokens it believes it has seen."""
-    drafter = make_drafter(kind)
-    engine = SpeculativeEngine(target_runner, drafter, decode, set())
+    drafters = make_drafter(kind)
+    engine = SpeculativeEngine(target_runner, drafters, decode, set())
     prompt = PROMPTS["random-b"]
     generated = 0
     for event in engine.generate(request(prompt, k=5)):
@@ -164,7 +169,7 @@ def test_cache_rollback_invariants(kind: str, target_runner: ModelRunner,
         assert target_runner.cache.get_seq_length() == target_runner.length
         if event.finish_reason is None:
             assert target_runner.length == len(prompt) + generated - 1
-        model = drafter.members[-1] if isinstance(drafter, MultiDrafter) else drafter
+        model = drafters[-1]
         if isinstance(model, DraftModelDrafter):
             assert model.runner.length == len(model._seen)
             assert model.runner.cache.get_seq_length() == model.runner.length
@@ -174,7 +179,7 @@ def test_generating_twice_gives_identical_results(target_runner: ModelRunner,
                                                   close_draft_model: PreTrainedModel) -> None:
     """The engine resets target and draft state: the same request twice gives the same
     tokens, and a different prompt in between does not leak into the next run."""
-    engine = SpeculativeEngine(target_runner, draft_drafter(close_draft_model), decode, set())
+    engine = SpeculativeEngine(target_runner, (draft_drafter(close_draft_model),), decode, set())
     for sampling in (GREEDY, HOT):
         first = collect(engine, request(PROMPTS["random-a"], k=4, sampling=sampling, seed=3))
         collect(engine, request(PROMPTS["repetitive"], k=2, sampling=sampling, seed=9))

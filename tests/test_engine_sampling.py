@@ -14,8 +14,8 @@ from engine_helpers import HOT, PROMPTS, plain_tokens, request
 from transformers import PreTrainedModel
 
 import localspec.engine.verify as verify_module
-from localspec.drafters.base import Drafter
 from localspec.drafters.draft_model import DraftModelDrafter
+from localspec.engine.drafter import Drafter
 from localspec.engine.engine import SpeculativeEngine
 from localspec.engine.stats import GenerationStats
 from localspec.runtime.runner import ModelRunner
@@ -26,7 +26,8 @@ def test_sampling_is_seeded(target_runner: ModelRunner,
                             close_draft_model: PreTrainedModel) -> None:
     """temperature 1.0: the same seed gives the same tokens; another seed differs."""
     def run(seed: int) -> list[int]:
-        engine = SpeculativeEngine(target_runner, draft_drafter(close_draft_model), decode, set())
+        engine = SpeculativeEngine(target_runner, (draft_drafter(close_draft_model),), decode,
+                                   set())
         return collect(engine, request(PROMPTS["random-a"], k=3, sampling=HOT, seed=seed))[0]
 
     assert run(1) == run(1)
@@ -36,7 +37,7 @@ def test_sampling_is_seeded(target_runner: ModelRunner,
 def test_sampling_self_draft_high_acceptance(target_runner: ModelRunner,
                                              target_model: PreTrainedModel) -> None:
     """With q == p (draft = target) sampled drafts are accepted (almost) always."""
-    engine = SpeculativeEngine(target_runner, draft_drafter(target_model), decode, set())
+    engine = SpeculativeEngine(target_runner, (draft_drafter(target_model),), decode, set())
     stats = GenerationStats()
     for seed, prompt in enumerate(PROMPTS.values()):
         for event in engine.generate(request(prompt, k=4, sampling=HOT, seed=seed)):
@@ -49,7 +50,7 @@ def test_top_k_one_sampling_equals_greedy(target_runner: ModelRunner,
                                                         close_draft_model: PreTrainedModel
                                                         ) -> None:
     """With top_k=1 sampling collapses to greedy, so it must equal plain greedy output."""
-    engine = SpeculativeEngine(target_runner, draft_drafter(close_draft_model), decode, set())
+    engine = SpeculativeEngine(target_runner, (draft_drafter(close_draft_model),), decode, set())
     params = SamplingParams(temperature=0.8, top_k=1, top_p=0.9)
     tokens = collect(engine, request(PROMPTS["random-b"], k=3, sampling=params, seed=4))[0]
     assert tokens == plain_tokens(target_runner.model, PROMPTS["random-b"])
@@ -93,14 +94,15 @@ def stat_models() -> tuple[PreTrainedModel, PreTrainedModel, torch.Tensor, torch
     return target, draft, p1, p2
 
 
-def first_two_counts(target: PreTrainedModel, draft: PreTrainedModel | Drafter | None,
+def first_two_counts(target: PreTrainedModel,
+                     draft: PreTrainedModel | Drafter | tuple[Drafter, ...] | None,
                      seeds: range) -> tuple[torch.Tensor, torch.Tensor, GenerationStats]:
     """How often each token comes first and second, over ``seeds``; ``draft`` a draft model
-    (drafting over the whole vocabulary), a drafter, or None (plain decoding)."""
-    drafter = draft
+    (drafting over the whole vocabulary), a drafter, drafters, or None (plain decoding)."""
     if isinstance(draft, PreTrainedModel):
-        drafter = DraftModelDrafter(ModelRunner(draft), STAT_VOCAB, STAT_VOCAB)
-    engine = SpeculativeEngine(ModelRunner(target), drafter, decode, set())
+        draft = DraftModelDrafter(ModelRunner(draft), STAT_VOCAB, STAT_VOCAB)
+    drafters = () if draft is None else draft if isinstance(draft, tuple) else (draft,)
+    engine = SpeculativeEngine(ModelRunner(target), drafters, decode, set())
     counts = torch.zeros(2, STAT_VOCAB, dtype=torch.long)
     stats = GenerationStats()
     for seed in seeds:

@@ -13,7 +13,7 @@ from conftest import collect, decode, draft_drafter
 from engine_helpers import GREEDY, MAX_NEW, PROMPTS, plain_tokens, request
 from transformers import PreTrainedModel
 
-import localspec.engine.engine as engine_module
+import localspec.engine.choice as choice_module
 from localspec.drafters.ngram import NgramDrafter
 from localspec.drafters.simulated import SimulatedDrafter
 from localspec.engine.choice import Attempt
@@ -29,18 +29,18 @@ def test_lookups_evidence_reaches_adaptive_k(target_runner: ModelRunner,
     decoding has no drafter to ask."""
     seen: list[list[int]] = []
 
-    class Recording(engine_module.DrafterChoice):
+    class Recording(choice_module.DrafterChoice):
         def order(self, sure: list[int], catch_up: list[float] | None = None
                   ) -> list[Attempt]:
             seen.append(list(sure))
             return super().order(sure, catch_up)
 
-    monkeypatch.setattr(engine_module, "DrafterChoice", Recording)
-    lookup = SpeculativeEngine(target_runner, NgramDrafter(3, 1), decode, set())
+    monkeypatch.setattr(choice_module, "DrafterChoice", Recording)
+    lookup = SpeculativeEngine(target_runner, (NgramDrafter(3, 1),), decode, set())
     collect(lookup, request(PROMPTS["repetitive"], adaptive=True))
     assert seen[0] == [2]
     seen.clear()
-    collect(SpeculativeEngine(target_runner, None, decode, set()),
+    collect(SpeculativeEngine(target_runner, (), decode, set()),
             request(PROMPTS["repetitive"]))
     assert seen and all(sure == [] for sure in seen)
 
@@ -49,7 +49,7 @@ def test_stats_folded_from_events(target_runner: ModelRunner,
                                   close_draft_model: PreTrainedModel) -> None:
     """GenerationStats agrees with the events: tokens per pass, acceptance, per-position
     acceptance counts that can only fall with the position."""
-    engine = SpeculativeEngine(target_runner, draft_drafter(close_draft_model), decode, set())
+    engine = SpeculativeEngine(target_runner, (draft_drafter(close_draft_model),), decode, set())
     stats = GenerationStats()
     events: list[StepEvent] = []
     for prompt in PROMPTS.values():
@@ -75,7 +75,7 @@ def test_stats_folded_from_events(target_runner: ModelRunner,
 
 def test_plain_stats_one_token_per_pass(target_runner: ModelRunner) -> None:
     """Plain decoding: one token per target pass, nothing drafted, acceptance rate 0."""
-    engine = SpeculativeEngine(target_runner, None, decode, set())
+    engine = SpeculativeEngine(target_runner, (), decode, set())
     stats = GenerationStats()
     for event in engine.generate(request(PROMPTS["random-a"], max_new_tokens=10)):
         stats.add(event)
@@ -88,7 +88,7 @@ def test_drafting_stops_when_it_does_not_pay(target_runner: ModelRunner,
                                              random_draft_model: PreTrainedModel) -> None:
     """A draft that is never right and costs as much as the target: adaptive k falls back to
     plain steps (k = 0) with rare probes, so speculation is not slower than plain decoding."""
-    engine = SpeculativeEngine(target_runner, draft_drafter(random_draft_model), decode, set())
+    engine = SpeculativeEngine(target_runner, (draft_drafter(random_draft_model),), decode, set())
     tokens, events = collect(engine, request(PROMPTS["random-a"], k=8, adaptive=True,
                                              max_new_tokens=120))
     drafting = [e for e in events if e.drafted]
@@ -122,7 +122,7 @@ def test_simulated_acceptance_pays_the_draft_and_stays_exact(
     reference = plain_tokens(target_model, prompt, max_new_tokens=80)
     inner = draft_drafter(random_draft_model)
     drafter = SimulatedDrafter(inner, reference, len(prompt), acceptance, seed=3)
-    engine = SpeculativeEngine(target_runner, drafter, decode, set())
+    engine = SpeculativeEngine(target_runner, (drafter,), decode, set())
     tokens, events = collect(engine, request(prompt, k=4, max_new_tokens=80))
     assert tokens == reference
     assert inner._seen  # the draft model really ran

@@ -14,8 +14,8 @@ from engine_helpers import PROMPTS, plain_tokens, request
 from transformers import PreTrainedModel
 
 from localspec.config import MAX_SPECULATIVE_TOKENS
-from localspec.drafters.base import Drafter
 from localspec.drafters.ngram import NgramDrafter
+from localspec.engine.drafter import Drafter
 from localspec.engine.engine import GenerationError, GenerationRequest, SpeculativeEngine
 from localspec.engine.stats import GenerationStats
 from localspec.runtime.runner import ModelRunner
@@ -31,7 +31,7 @@ def test_eos_inside_accepted_run(target_model: PreTrainedModel) -> None:
     eos = plain[position]
     expected = plain[: position + 1]
     assert plain_tokens(target_model, prompt, eos={eos}) == expected
-    engine = SpeculativeEngine(ModelRunner(target_model), draft_drafter(target_model), decode,
+    engine = SpeculativeEngine(ModelRunner(target_model), (draft_drafter(target_model),), decode,
                                {eos})
     tokens, events = collect(engine, request(prompt, k=8))
     assert tokens == expected
@@ -43,7 +43,7 @@ def test_eos_inside_accepted_run(target_model: PreTrainedModel) -> None:
 def test_max_new_tokens_inside_accepted_run(target_model: PreTrainedModel) -> None:
     """max_new_tokens=5 with k=8 and a perfect draft: exactly 5 tokens, reason 'length'."""
     prompt = PROMPTS["random-b"]
-    engine = SpeculativeEngine(ModelRunner(target_model), draft_drafter(target_model), decode,
+    engine = SpeculativeEngine(ModelRunner(target_model), (draft_drafter(target_model),), decode,
                                set())
     tokens, events = collect(engine, request(prompt, k=8, max_new_tokens=5))
     assert tokens == plain_tokens(target_model, prompt)[:5]
@@ -72,7 +72,7 @@ def test_stop_string_inside_one_accepted_run(target_model: PreTrainedModel) -> N
     full_text = decode(plain_tokens(target_model, prompt))
     stop = full_text[2:5]
     expected = full_text[: full_text.find(stop)]
-    engine = SpeculativeEngine(ModelRunner(target_model), draft_drafter(target_model), decode,
+    engine = SpeculativeEngine(ModelRunner(target_model), (draft_drafter(target_model),), decode,
                                set())
     _, events = collect(engine, request(prompt, k=8, stop_strings=(stop,)))
     assert len(events) == 1  # the whole stop string arrived in the first step's 9 tokens
@@ -87,7 +87,7 @@ def test_stop_string_spanning_two_steps(target_model: PreTrainedModel) -> None:
     full_text = decode(plain_tokens(target_model, prompt))
     stop = full_text[3:5]
     expected = full_text[: full_text.find(stop)]
-    engine = SpeculativeEngine(ModelRunner(target_model), None, decode, set())
+    engine = SpeculativeEngine(ModelRunner(target_model), (), decode, set())
     _, events = collect(engine, request(prompt, stop_strings=(stop,)))
     assert events[-1].finish_reason == "stop"
     assert "".join(e.text_delta for e in events) == expected
@@ -101,7 +101,7 @@ def test_cancel_flag(target_runner: ModelRunner, target_model: PreTrainedModel) 
         calls["n"] += 1
         return calls["n"] > 2
 
-    engine = SpeculativeEngine(target_runner, draft_drafter(target_model), decode, set())
+    engine = SpeculativeEngine(target_runner, (draft_drafter(target_model),), decode, set())
     _, events = collect(engine, request(PROMPTS["random-a"], k=3), cancelled)
     assert [e.finish_reason for e in events] == [None, None, "cancelled"]
     assert events[-1].tokens == ()
@@ -118,7 +118,7 @@ def test_text_stream_holds_back_partial_characters(target_model: PreTrainedModel
     def partial_decode(ids: list[int]) -> str:
         return decode(ids) + ("\ufffd" if ids and ids[-1] % 2 else "")
 
-    engine = SpeculativeEngine(ModelRunner(target_model), None, partial_decode, set())
+    engine = SpeculativeEngine(ModelRunner(target_model), (), partial_decode, set())
     tokens, events = collect(engine, request(PROMPTS["random-a"]))
     assert any(t % 2 for t in tokens[:-1])
     for event in events[:-1]:
@@ -148,15 +148,15 @@ def test_bad_requests_raise_generation_error(overrides: dict[str, object], with_
     values: dict[str, object] = {"prompt_ids": [1, 2, 3], "max_new_tokens": 5,
                                  "num_speculative_tokens": 3}
     values.update(overrides)
-    drafter = NgramDrafter() if with_drafter else None
-    engine = SpeculativeEngine(target_runner, drafter, decode, set())
+    drafters = (NgramDrafter(),) if with_drafter else ()
+    engine = SpeculativeEngine(target_runner, drafters, decode, set())
     with pytest.raises(GenerationError, match=phrase):
         list(engine.generate(GenerationRequest(**values)))  # type: ignore[arg-type]
 
 
 def test_plain_engine_ignores_k(target_runner: ModelRunner) -> None:
     """Without a drafter, num_speculative_tokens=0 is fine (there is nothing to draft)."""
-    engine = SpeculativeEngine(target_runner, None, decode, set())
+    engine = SpeculativeEngine(target_runner, (), decode, set())
     tokens, events = collect(engine, request([1, 2, 3], k=0, max_new_tokens=3))
     assert len(tokens) == 3 and all(e.drafted == () for e in events)
 
@@ -165,7 +165,7 @@ def test_prompt_near_context_limit_still_generates(target_runner: ModelRunner,
                                                    target_model: PreTrainedModel) -> None:
     """A prompt that leaves less room than k + 1 positions still yields (at least) one token
     and never runs the caches past max_position_embeddings."""
-    engine = SpeculativeEngine(target_runner, draft_drafter(target_model), decode, set())
+    engine = SpeculativeEngine(target_runner, (draft_drafter(target_model),), decode, set())
     prompt = [(7 * i) % VOCAB for i in range(250)]
     tokens, events = collect(engine, request(prompt, k=8, max_new_tokens=40))
     assert len(tokens) >= 1 and events[-1].finish_reason == "length"

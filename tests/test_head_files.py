@@ -29,7 +29,6 @@ from localspec.config import BUILTIN_HEADS
 from localspec.drafters import head_files
 from localspec.drafters.head_files import read_head
 from localspec.errors import ModelLoadError, PresetError
-from localspec.pipeline import check_method
 from localspec.presets import builtin_head_folder, load_preset
 
 # ----------------------------------------------------------------------------- reading head files
@@ -153,11 +152,11 @@ def test_a_head_method_in_a_preset(tmp_path: Path, tiny_folders: dict[str, Path]
     head = tmp_path / "some-head"
     preset = load_preset(write_preset(tmp_path, tiny_folders["target"], head, method="eagle3"))
     assert preset.draft_spec() is None
-    check_method(preset, "eagle3")
+    preset.drafter_set("eagle3")
     with pytest.raises(PresetError, match="set up for method 'eagle3'"):
-        check_method(preset, "medusa")
+        preset.drafter_set("medusa")
     drafting = load_preset(write_preset(tmp_path, tiny_folders["target"], tiny_folders["draft"]))
     with pytest.raises(PresetError, match="method 'eagle' needs a head"):
-        check_method(drafting, "eagle")
+        drafting.drafter_set("eagle")
     assert export_vllm(preset).speculative_config == {
         "method": "eagle3", "num_speculative_tokens": 3, "model": str(head)}

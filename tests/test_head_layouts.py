@@ -48,8 +48,8 @@ def target() -> ModelRunner:
 def greedy_equals_plain(runner: ModelRunner, drafter: object) -> None:
     request = GenerationRequest(prompt_ids=[5, 17, 33, 2, 80, 41, 9], max_new_tokens=20,
                                 num_speculative_tokens=3, adaptive=False)
-    plain = collect(SpeculativeEngine(runner, None, decode, set()), request)[0]
-    tokens, events = collect(SpeculativeEngine(runner, drafter, decode, set()), request)
+    plain = collect(SpeculativeEngine(runner, (), decode, set()), request)[0]
+    tokens, events = collect(SpeculativeEngine(runner, (drafter,), decode, set()), request)
     assert tokens == plain and all(e.drafted for e in events)
 
 
@@ -149,7 +149,7 @@ def test_medusa_truncated_vocabulary(tmp_path: Path, target: ModelRunner,
     heads = load_medusa_heads(read_head(str(tmp_path)), target)
     assert torch.equal(heads.token_map, tensors["token_map"])
     drafter = MedusaDrafter(heads, target)
-    collect(SpeculativeEngine(target, drafter, decode, set()),
+    collect(SpeculativeEngine(target, (drafter,), decode, set()),
             GenerationRequest(prompt_ids=[5, 17, 33], max_new_tokens=2))
     logits = drafter._logits(0, target.features(1, 2))
     outside = torch.ones(VOCAB, dtype=torch.bool)

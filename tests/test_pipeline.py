@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 from conftest import TOKENIZER_TEXTS, make_tiny_model, perturbed_copy, train_tokenizer
 
-from localspec.drafters.multi import MultiDrafter
 from localspec.models.loading import ModelLoadError
 from localspec.pipeline import Pipeline
 from localspec.presets import PresetError, load_preset
@@ -75,8 +74,8 @@ def test_all_methods_agree_greedy(tmp_path: Path, folders: dict[str, Path],
     pipe = Pipeline.load(load_preset(str(write_preset(tmp_path, folders,
                                                       lookup_first=lookup_first))))
     assert pipe.draft is not None
-    drafter = pipe.engine("draft_model").drafter
-    assert isinstance(drafter, MultiDrafter) == lookup_first
+    drafters = pipe.engine("draft_model").drafters
+    assert [d.traits.name for d in drafters] == ["ngram", "draft_model"][not lookup_first:]
     ids = pipe.encode_prompt("def add(a, b): return a + b\ndef add(", raw=True)
     request = pipe.request(ids)
     assert request.max_new_tokens == 30 and request.num_speculative_tokens == 4

@@ -103,7 +103,7 @@ def test_a_warm_turn_answers_as_a_cold_one(lib: object, sampled: bool) -> None:
     def engine() -> tuple[SpeculativeEngine, ModelRunner, ModelRunner]:
         target, draft = _runner(target_model, lib), _runner(draft_model, lib)
         drafter = DraftModelDrafter(draft, target_vocab_size=VOCAB, tokenizer_vocab_size=VOCAB)
-        return SpeculativeEngine(target, drafter, decode, set()), target, draft
+        return SpeculativeEngine(target, (drafter,), decode, set()), target, draft
 
     def request(prompt: list[int], reuse: bool) -> GenerationRequest:
         return GenerationRequest(prompt_ids=prompt, max_new_tokens=24, sampling=params,

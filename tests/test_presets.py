@@ -87,7 +87,7 @@ def test_shipped_preset_loads(name: str) -> None:
     assert preset.name and preset.description
     assert preset.target_spec().model == preset.target.model
     sc = preset.speculative_config
-    if "draft_model" in preset.drafter_methods():  # "auto" sets too
+    if "draft_model" in preset.drafter_set().members:  # "auto" sets too
         draft = preset.draft_spec()
         assert draft is not None and draft.model == sc.model
         assert draft.device == preset.target.device

@@ -20,7 +20,6 @@ from localspec.cli import check
 from localspec.cli.bench import load_prompts
 from localspec.cli.check import P_VALUE_THRESHOLD, check_greedy, check_sampling
 from localspec.config import ModelSpec, parse_preset
-from localspec.drafters.multi import MultiDrafter
 from localspec.engine.engine import GenerationError
 from localspec.host import ModelHost
 from localspec.models.builtin import BUILTIN_MODELS
@@ -82,10 +81,10 @@ def test_real_draft_is_accepted_often(qwen_pair: Pipeline) -> None:
     # fixed k: adaptive k drafts less when the machine is busy (measured times), which says
     # nothing about how often the draft is right (a busy CI run once drafted 11 tokens in 42
     # passes); and the draft model alone, without the preset's n-gram lookup in front of it
-    drafter = qwen_pair.engine("draft_model").drafter
-    assert isinstance(drafter, MultiDrafter)  # the default preset's choice
+    drafters = qwen_pair.engine("draft_model").drafters
+    assert len(drafters) == 2  # the default preset's choice: lookup in front
     result = qwen_pair.run(qwen_pair.request(ids, max_new_tokens=48, adaptive=False),
-                           engine=qwen_pair.engine_with(drafter.members[-1]))
+                           engine=qwen_pair.engine_with(drafters[-1:]))
     assert result.stats.acceptance_rate > 0.5
     assert result.stats.mean_accepted_length > 2.0
 
@@ -99,13 +98,13 @@ def test_builtin_head_is_lossless_and_accepted(qwen_pair: Pipeline, preset: str,
     enough to pay (an untrained head: ~1.0-1.1 tokens a pass)."""
     pipe = Pipeline.load(load_preset(preset), previous=qwen_pair)
     assert pipe.target is qwen_pair.target and pipe.draft is None
-    drafter = pipe.engine(method).drafter
-    assert isinstance(drafter, MultiDrafter)  # the preset's choice
+    drafters = pipe.engine(method).drafters
+    assert len(drafters) == 2  # the preset's choice: lookup in front
     ids = pipe.encode_prompt("Write a Python function that returns the factorial of n.")
     plain = pipe.run(pipe.request(ids, max_new_tokens=48), "none")
     # the head alone, at a fixed k (see test_real_draft_is_accepted_often)
     result = pipe.run(pipe.request(ids, max_new_tokens=48, adaptive=False),
-                      engine=pipe.engine_with(drafter.members[-1]))
+                      engine=pipe.engine_with(drafters[-1:]))
     assert result.token_ids == plain.token_ids
     assert result.stats.mean_accepted_length > least
 
@@ -122,9 +121,9 @@ def test_draft_trees_are_lossless_on_real_models(qwen_pair: Pipeline, preset: st
     test_tree.py's: wrong ones would cost acceptance, not exactness)."""
     pipe = Pipeline.load(load_preset(preset), previous=qwen_pair)
     assert pipe.target_runner().supports_trees
-    drafter = pipe.engine(method).drafter
-    assert isinstance(drafter, MultiDrafter)
-    engine = pipe.engine_with(drafter.members[-1])
+    drafters = pipe.engine(method).drafters
+    assert len(drafters) == 2
+    engine = pipe.engine_with(drafters[-1:])
     for text in ("Explain in two sentences what a hash table is.",
                  "Write a bash one-liner that counts the lines of every .py file in a folder."):
         ids = pipe.encode_prompt(text)
@@ -145,9 +144,8 @@ def test_auto_with_head_and_draft_model_is_lossless(qwen_pair: Pipeline) -> None
                           "head": "qwen2.5-coder-1.5b-eagle3"}
     pipe = Pipeline.load(parse_preset(data), previous=qwen_pair)
     assert pipe.target is qwen_pair.target and pipe.draft is qwen_pair.draft
-    drafter = pipe.engine().drafter
-    assert isinstance(drafter, MultiDrafter)
-    assert [m.name for m in drafter.members] == ["ngram", "eagle3", "draft_model"]
+    drafters = pipe.engine().drafters
+    assert [d.traits.name for d in drafters] == ["ngram", "eagle3", "draft_model"]
     ids = pipe.encode_prompt("Explain in two sentences what a hash table is.")
     plain = pipe.run(pipe.request(ids, max_new_tokens=48), "none")
     result = pipe.run(pipe.request(ids, max_new_tokens=48))

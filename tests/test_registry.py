@@ -26,12 +26,12 @@ from localspec.cli.bench import check_methods, default_methods
 from localspec.cli.check import greedy_methods
 from localspec.cli.export import export_vllm
 from localspec.config import Preset, parse_preset
-from localspec.drafters.base import BuildContext, Drafter, Proposal
-from localspec.drafters.multi import MultiDrafter
+from localspec.drafters.base import BuildContext
 from localspec.drafters.ngram import NgramDrafter
+from localspec.engine.drafter import Drafter, DrafterTraits, Proposal
 from localspec.errors import PresetError
 from localspec.models.hardware import architecture, estimate_preset, weight_bytes
-from localspec.pipeline import Pipeline, check_method
+from localspec.pipeline import Pipeline
 from localspec.presets import load_preset
 from localspec.registry import DrafterSpec, drafter_spec, method_names, methods_needing
 from localspec.runtime.runner import ModelRunner
@@ -45,16 +45,16 @@ class RecomputeDrafter(Drafter):
     """The draft model's greedy guesses, recomputed from an empty cache at every step: slow,
     and in step with the context without any bookkeeping. Deterministic (q is None)."""
 
-    name = "recompute"
+    traits = DrafterTraits("recompute")
 
     def __init__(self, runner: ModelRunner, vocab_size: int) -> None:
         self.runner, self.vocab_size = runner, vocab_size
 
-    def reset(self) -> None:
+    def reset(self, keep_cache: bool = False) -> None:
         self.runner.reset()
 
     def propose(self, context: list[int], k: int, params: SamplingParams,
-                generator: torch.Generator) -> Proposal:
+                generator: torch.Generator, width: int = 1) -> Proposal:
         self.runner.reset()
         tokens: list[int] = []
         feed = context
@@ -130,7 +130,8 @@ def test_the_registry_and_config_import_no_torch() -> None:
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('localspec.')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
                          text=True, check=True).stdout
-    assert out.strip() == "['localspec.config', 'localspec.errors', 'localspec.registry']"
+    assert out.strip() == ("['localspec.config', 'localspec.drafter_set', 'localspec.errors', "
+                           "'localspec.registry']")
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
@@ -190,7 +191,7 @@ def test_a_registered_head_method_is_checked_exported_and_sized(
     assert export.speculative_config is None and "--speculative-config" not in export.command
     assert any("'toy-head' has no vLLM equivalent" in note for note in export.notes)
     with pytest.raises(PresetError, match="needs a head made for this target"):
-        check_method(toy_preset(tmp_path, tiny_folders), "toy-head")
+        toy_preset(tmp_path, tiny_folders).drafter_set("toy-head")
 
 
 @pytest.mark.usefixtures("toy")
@@ -200,7 +201,7 @@ def test_a_registered_drafter_runs_with_the_plain_greedy_output(
     any other's, so the output is plain decoding's, token for token, in fewer target passes.
     Verify lists it, and lookup-first puts n-gram lookup in front of it as of any model."""
     pipe = Pipeline.load(toy_preset(tmp_path, tiny_folders))
-    assert isinstance(pipe.engine("recompute").drafter, RecomputeDrafter)
+    assert [type(d) for d in pipe.engine("recompute").drafters] == [RecomputeDrafter]
     ids = pipe.encode_prompt("def add(a, b): return a + b\ndef add(", raw=True)
     request = pipe.request(ids)
     plain, toy = pipe.run(request, "none"), pipe.run(request, "recompute")
@@ -209,9 +210,8 @@ def test_a_registered_drafter_runs_with_the_plain_greedy_output(
     assert toy.stats.accepted > 0 and toy.stats.target_forward_passes < 24
     assert greedy_methods(pipe) == ["draft_model", "ngram", "auto", "recompute"]
     lookup = Pipeline(toy_preset(tmp_path, tiny_folders, lookup_first=True), pipe.target,
-                      pipe.draft).engine("recompute").drafter
-    assert isinstance(lookup, MultiDrafter)
-    assert [type(member) for member in lookup.members] == [NgramDrafter, RecomputeDrafter]
+                      pipe.draft).engine("recompute").drafters
+    assert [type(member) for member in lookup] == [NgramDrafter, RecomputeDrafter]
 
 
 @pytest.mark.usefixtures("toy")

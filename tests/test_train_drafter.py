@@ -153,8 +153,8 @@ def test_loss_falls_and_the_saved_head_drafts_losslessly(
     else:
         head, layers = load_eagle_head(files, method, runner)
         drafter = EagleDrafter(head, runner, layers)
-    plain = SpeculativeEngine(runner, None, toy_decode, set())
-    drafted = SpeculativeEngine(runner, drafter, toy_decode, set())
+    plain = SpeculativeEngine(runner, (), toy_decode, set())
+    drafted = SpeculativeEngine(runner, (drafter,), toy_decode, set())
     for prompt in ([5, 17, 33, 2, 80, 41, 9], [60, 3, 91, 44, 12, 12, 70, 8, 25]):
         request = GenerationRequest(prompt, max_new_tokens=24, num_speculative_tokens=4,
                                     adaptive=False)

@@ -17,8 +17,8 @@ from engine_helpers import GREEDY, request
 from kernel_helpers import kernel_lib
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from localspec.drafters.base import Proposal
 from localspec.drafters.draft_model import DraftModelDrafter
+from localspec.engine.drafter import Proposal
 from localspec.engine.engine import GenerationError, SpeculativeEngine
 from localspec.engine.verify import verify_tree
 from localspec.presets import load_preset
@@ -135,9 +135,9 @@ class RecordingDrafter(DraftModelDrafter):
         super().__init__(ModelRunner(model), target_vocab_size=VOCAB, tokenizer_vocab_size=VOCAB)
         self.proposals: list[Proposal] = []
 
-    def propose_tree(self, context: list[int], k: int, width: int, params: SamplingParams,
-                     generator: torch.Generator) -> Proposal:
-        proposal = super().propose_tree(context, k, width, params, generator)
+    def propose(self, context: list[int], k: int, params: SamplingParams,
+                generator: torch.Generator, width: int = 1) -> Proposal:
+        proposal = super().propose(context, k, params, generator, width)
         self.proposals.append(proposal)
         return proposal
 
@@ -161,8 +161,8 @@ def test_greedy_trees_equal_plain_greedy(lib: ctypes.CDLL, width: int) -> None:
     model = native_model(seed=11)
     target = native_runner(model, lib)
     drafter = RecordingDrafter(noisy_copy(model, NOISE, seed=12))
-    plain = SpeculativeEngine(target, None, decode, set())
-    engine = SpeculativeEngine(target, drafter, decode, set())
+    plain = SpeculativeEngine(target, (), decode, set())
+    engine = SpeculativeEngine(target, (drafter,), decode, set())
     siblings = 0
     for seed in range(3):
         prompt = tokens(9, seed=20 + seed)
@@ -191,7 +191,7 @@ def test_trees_only_where_the_request_is_greedy_and_the_target_feeds_them(
     prompt = tokens(9, seed=20)
     for target, sampling in ((native_runner(model, lib), SamplingParams(temperature=1.0)),
                              (ModelRunner(copy.deepcopy(model)), GREEDY)):
-        engine = SpeculativeEngine(target, drafter, decode, set())
+        engine = SpeculativeEngine(target, (drafter,), decode, set())
         collect(engine, request(prompt, k=4, max_new_tokens=20, sampling=sampling,
                                 tree_width=3))
         assert drafter.proposals and all(p.parents is None for p in drafter.proposals)

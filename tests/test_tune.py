@@ -157,7 +157,7 @@ def test_autos_member_sets_are_searched_and_written(presets: dict[str, str],
     saved = tuning.tuned_text(text, preset, pair, "# header\n")
     (tmp_path / "saved.toml").write_text(saved, encoding="utf-8")
     again = load_preset(str(tmp_path / "saved.toml"))
-    assert again.drafter_methods() == ("ngram", "eagle3") and again.head_source() == "some/head"
+    assert again.drafter_set().members == ("ngram", "eagle3") and again.head_source() == "some/head"
     assert again.draft_spec() is None  # no draft model loaded that no member runs
     assert tuning.options("auto's drafters", dataclasses.replace(start, method="ngram"),
                           ["auto"]) == []

@@ -240,9 +240,9 @@ def test_w4a8_greedy_speculation_equals_plain(lib: object) -> None:
                                      sampling=SamplingParams(), num_speculative_tokens=5,
                                      adaptive=False)
 
-        plain, _ = collect(SpeculativeEngine(target, None, decode, set()), make())
+        plain, _ = collect(SpeculativeEngine(target, (), decode, set()), make())
         drafter = DraftModelDrafter(draft, target_vocab_size=VOCAB, tokenizer_vocab_size=VOCAB)
-        tokens, events = collect(SpeculativeEngine(target, drafter, decode, set()), make())
+        tokens, events = collect(SpeculativeEngine(target, (drafter,), decode, set()), make())
         assert tokens == plain
         accepted += sum(e.accepted for e in events)
         rejected += sum(len(e.drafted) - e.accepted for e in events)

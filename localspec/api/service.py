@@ -29,13 +29,13 @@ from localspec.api.schemas import ChatRequest, CompletionRequest
 from localspec.chats.answers import SavedRequest, answer_settings, answer_summary
 from localspec.chats.store import ChatStore
 from localspec.config import API_MAX_QUEUED, API_STREAM_INTERVAL_S, Preset
+from localspec.drafter_set import DrafterSet
 from localspec.engine.engine import GenerationRequest, StepEvent
 from localspec.engine.stats import GenerationStats
-from localspec.errors import LocalSpecError
+from localspec.errors import LocalSpecError, PresetError
 from localspec.host import ModelHost
-from localspec.pipeline import Pipeline, check_method
+from localspec.pipeline import Pipeline
 from localspec.presets import list_preset_names
-from localspec.registry import method_names
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class Job:
     model: str
     pipeline: Pipeline
     request: GenerationRequest
-    method: str
+    drafters: DrafterSet  # the method, resolved once
     want_tokens: bool
     stats: GenerationStats = field(default_factory=GenerationStats)
     messages: list[dict[str, str]] | None = None  # a chat request's, to save
@@ -59,6 +59,10 @@ class Job:
     @property
     def prompt_tokens(self) -> int:
         return len(self.request.prompt_ids)
+
+    @property
+    def method(self) -> str:
+        return self.drafters.method
 
 
 def _model_ids(preset: Preset, key: str) -> set[str]:
@@ -123,12 +127,11 @@ class ApiService:
                                  code="model_not_loaded")
             raise NotFound(f"the model '{body.model}' does not exist: this server runs "
                            f"'{active}' (GET /v1/models lists the presets)", param="model")
-        method = body.localspec.method or pipeline.preset.speculative_config.method
         try:
-            if method not in method_names():
-                raise BadRequest(f"unknown method '{method}': one of "
-                                 f"{', '.join(method_names())}", param="localspec.method")
-            check_method(pipeline.preset, method)
+            drafters = pipeline.preset.drafter_set(body.localspec.method)
+        except PresetError as exc:  # not a method, or one this preset cannot run
+            raise BadRequest(str(exc), param="localspec.method") from exc
+        try:
             prompt = (pipeline.encode_chat(body.chat()) if isinstance(body, ChatRequest)
                       else self._raw_prompt(pipeline, body.prompt))
             request = pipeline.request(prompt, stop_strings=body.stop_strings(),
@@ -145,7 +148,7 @@ class ApiService:
                            f"context holds {context}: shorten it", param="messages")
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         return Job(f"{prefix}-{secrets.token_hex(12)}", int(time.time()), body.model or active,
-                   pipeline, request, method, body.localspec.tokens,
+                   pipeline, request, drafters, body.localspec.tokens,
                    messages=body.chat() if isinstance(body, ChatRequest) else None)
 
     @staticmethod
@@ -184,7 +187,7 @@ class ApiService:
         counted, saved when asked, and handed to the consumer straight from there."""
         job, start = link.job, time.perf_counter()
         saved, finish = self._saved(job), None
-        stream = job.pipeline.stream(job.request, job.method,
+        stream = job.pipeline.stream(job.request, job.drafters,
                                      cancelled=lambda: cancel.is_set() or link.gone())
         for event in stream:
             job.stats.add(event)

@@ -34,7 +34,7 @@ from localspec.cli.bench_api import (
 from localspec.config import CPU_QUANTIZATIONS, Preset, unquantized_target
 from localspec.drafters.simulated import SimulatedDrafter
 from localspec.errors import ConfigError, PresetError
-from localspec.pipeline import Pipeline, check_method
+from localspec.pipeline import Pipeline
 from localspec.registry import AUTO, drafter_spec, method_names, methods_needing
 from localspec.training.prompts import encode_prompts, load_prompts
 
@@ -64,7 +64,7 @@ def check_methods(preset: Preset, methods: list[str]) -> list[str]:
                           "(A in [0, 1])")
     for method in methods:
         if method in ours:
-            check_method(preset, method)
+            preset.drafter_set(method)
         elif needs_draft(method) and preset.draft_spec() is None:
             raise PresetError(f"method '{method}' needs a draft model, and preset "
                               f"'{preset.name}' names none in [speculative_config] model")
@@ -87,7 +87,7 @@ def needs_draft(method: str, preset: Preset | None = None) -> bool:
     set: when ``preset`` gives it one)."""
     member = (preset is not None and method in method_names()
               and any(drafter_spec(name).needs == "draft_model"
-                      for name in preset.drafter_methods(method)))
+                      for name in preset.drafter_set(method).members))
     return (method in methods_needing("draft_model") or method == "hf-assisted" or member
             or simulated_acceptance(method) is not None)
 
@@ -98,10 +98,10 @@ def default_methods(preset: Preset) -> list[str]:
     preset does not name."""
     ours = []
     for method in method_names():
-        if method == AUTO and len(preset.drafter_methods(AUTO)) < 2:
-            continue
         try:
-            check_method(preset, method)
+            if method == AUTO and len(preset.drafter_set(AUTO).members) < 2:
+                continue
+            preset.drafter_set(method)
         except PresetError:
             continue
         ours.append(method)
@@ -187,9 +187,9 @@ def _run_ours(pipe: Pipeline, method: str, prompt_ids: list[int], max_new: int,
     if acceptance is None:
         result = pipe.run(request, method)
     else:
-        drafter = SimulatedDrafter(pipe.engine("draft_model").drafter, reference or [],
+        drafter = SimulatedDrafter(pipe.build_drafter("draft_model"), reference or [],
                                    len(prompt_ids), acceptance)
-        result = pipe.run(request, engine=pipe.engine_with(drafter))
+        result = pipe.run(request, engine=pipe.engine_with((drafter,)))
     s = result.stats
     return {"token_ids": result.token_ids, "text": result.text,
             "tokens_per_second": s.tokens_per_second, "wall_time_s": s.wall_time,

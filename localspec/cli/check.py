@@ -28,7 +28,7 @@ from scipy.stats import chisquare
 from localspec.cli.bench import first_difference
 from localspec.engine.verify import verify_sampling
 from localspec.errors import PresetError
-from localspec.pipeline import Pipeline, check_method
+from localspec.pipeline import Pipeline
 from localspec.registry import AUTO, drafter_spec, drafters
 from localspec.runtime.runner import ModelRunner
 from localspec.sampling import SamplingParams, logits_to_probs, sample
@@ -184,15 +184,14 @@ def greedy_methods(pipe: Pipeline) -> list[str]:
     method)."""
     methods = []
     for spec in drafters():
-        members = pipe.preset.drafter_methods(spec.name) if spec.speculative else ()
+        try:
+            members = pipe.preset.drafter_set(spec.name).members
+        except PresetError:
+            continue
         needs = [drafter_spec(name).needs for name in members]
         if not members or (pipe.draft is None and "draft_model" in needs):
             continue
         if spec.name == AUTO and len(members) < 2:
-            continue
-        try:
-            check_method(pipe.preset, spec.name)
-        except PresetError:
             continue
         methods.append(spec.name)
     return methods

@@ -22,7 +22,7 @@ from localspec.engine.engine import StepEvent
 from localspec.engine.stats import GenerationStats
 from localspec.errors import RequestError
 from localspec.files import check_unicode
-from localspec.pipeline import check_method, request_settings_for
+from localspec.pipeline import request_settings_for
 from localspec.presets import load_preset
 from localspec.registry import drafter_spec
 
@@ -41,8 +41,7 @@ def plan_generate(args: argparse.Namespace) -> GeneratePlan:
     """Check every flag against the preset (no model loaded); ConfigError/PresetError/
     RequestError name what is wrong."""
     preset = load_preset(args.preset)
-    method = args.method or preset.speculative_config.method
-    check_method(preset, method)
+    method = preset.drafter_set(args.method).method
     check_unicode(args.prompt, "--prompt", RequestError)
     if args.raw and args.prompt == "":
         raise RequestError("--prompt is empty: nothing to continue")
@@ -69,7 +68,7 @@ def run_generate(args: argparse.Namespace) -> int:
     """Validate, load, generate ``--num-samples`` samples; print text (streamed for one
     sample) or one JSON object; a summary line on stderr."""
     plan = plan_generate(args)
-    members = plan.preset.drafter_methods(plan.method)
+    members = plan.preset.drafter_set(plan.method).members
     needs = [drafter_spec(name).needs for name in members]
     pipe = load_pipeline(plan.preset, need_draft="draft_model" in needs)
     prompt_ids = pipe.encode_prompt(args.prompt, raw=args.raw)

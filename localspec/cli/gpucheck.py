@@ -149,14 +149,14 @@ def part_correctness(device: torch.device, _shapes: str, log: Log) -> dict[str, 
         with torch.no_grad():
             target.lm_head.weight.mul_(400.0)  # peaked logits, as a trained model's
         draft = noisy_copy(target, noise=0.5, seed=2)
-        plain = SpeculativeEngine(ModelRunner(target, logits_fp32=True), None, _text, set())
+        plain = SpeculativeEngine(ModelRunner(target, logits_fp32=True), (), _text, set())
         greedy = GenerationRequest(prompt, max_new_tokens=60, num_speculative_tokens=K,
                                    adaptive=False)
         reference = _tokens(plain, greedy)
         for graphs in (False, True):
             drafter = DraftModelDrafter(_runner(draft, graphs), target_vocab_size=TINY[
                 "vocab_size"], tokenizer_vocab_size=TINY["vocab_size"])
-            spec = SpeculativeEngine(_runner(target, graphs, logits_fp32=True), drafter,
+            spec = SpeculativeEngine(_runner(target, graphs, logits_fp32=True), (drafter,),
                                      _text, set())
             name = f"{str(dtype).removeprefix('torch.')}{'-graphs' if graphs else ''}"
             sampled = GenerationRequest(prompt, max_new_tokens=30, num_speculative_tokens=K,
@@ -229,7 +229,7 @@ def part_speculation(device: torch.device, shapes: str, log: Log) -> dict[str, A
         mode = "graphs" if graphs else "eager"
         target_runner = _runner(target, graphs, logits_fp32=True)
         draft_runner = _runner(draft, graphs)
-        plain = SpeculativeEngine(target_runner, None, _text, set())
+        plain = SpeculativeEngine(target_runner, (), _text, set())
         reference = _tokens(plain, request)  # also the warm-up
         runs: list[tuple[str, SpeculativeEngine]] = [("none", plain)]
         for acceptance in (0.6, 0.8):
@@ -237,7 +237,7 @@ def part_speculation(device: torch.device, shapes: str, log: Log) -> dict[str, A
                 draft_runner, target_vocab_size=vocab, tokenizer_vocab_size=vocab),
                 reference, len(prompt), acceptance)
             runs.append((f"draft_model@{acceptance}", SpeculativeEngine(
-                target_runner, drafter, _text, set())))
+                target_runner, (drafter,), _text, set())))
         for name, engine in runs:
             _tokens(engine, request)  # warm-up
             _sync(device)

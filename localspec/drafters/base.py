@@ -1,16 +1,13 @@
-"""The drafter contract: propose a few tokens ahead of the target.
+"""What the drafters share: the model-based drafters' base, their chain and calibration.
 
-A drafter sees the whole token context (prompt + generated, ending with the token the target
-has not yet consumed) and returns up to ``k`` guesses, with their draft probabilities q when it
-has a distribution (a draft model) or ``None`` when it is deterministic (n-gram lookup). It
-keeps whatever state it needs (a KV cache) in step with the context by itself, so the engine
-never has to tell it what was rejected: the next ``propose`` call simply shows the new context.
-
-Every drafter subclasses ``Drafter``: ``reset`` and ``propose`` are its own, and ``sure(context)``
-answers 0 unless the drafter can tell for free that its next guess is well founded (n-gram
-lookup: the context's longest n-gram occurred before, 1, and reaches back a long way, 2);
-adaptive k then probes such a guess while drafting is off (``AdaptiveK.choose``). The engine
-refuses anything else, so a drafter cannot miss part of the contract by misspelling a method.
+The contract every drafter meets (``Drafter``: ``traits``, ``reset``, ``propose``) lives with
+its caller, ``localspec.engine.drafter``. Here is what the three drafters that draft with a
+model or head (draft model, EAGLE/EAGLE-3, Medusa) have in common, in ``ModelDrafter``: one
+chain a step, picked by ``DraftChain`` and ended where its chance of being kept whole stops
+paying; a ``Calibration`` of their confidence, learnt from the target's verdicts, which they
+read off the next context (the tokens after their last chain say how much of it was kept); and
+the price of their last catch-up on the context. Each subclass writes only ``_draft`` (its
+model's passes) and, where it keeps a cache, ``_forget`` and ``_backlog``.
 
 How a method's drafter is made is the method's own business: each drafter module has a
 ``build(ctx)`` that the registry (``localspec.registry``) names, and ``ctx`` is a
@@ -20,47 +17,24 @@ the drafters and so is never named here.
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from dataclasses import dataclass
+import time
+from abc import abstractmethod
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 
 from localspec.config import Preset
+from localspec.engine.drafter import Drafter, DrafterTraits, Outlook, Proposal
 from localspec.runtime.runner import ModelRunner
 from localspec.sampling import SamplingParams, logits_to_probs, sample
+
+CATCH_UP_SPLIT = 4  # more tokens than this to catch up on are fed in a timed pass of their own
 
 
 def spread_probs(probs: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """A distribution [len(ids)] over a cut vocabulary -> [vocab_size], 0 at the other ids."""
     return probs.new_zeros(vocab_size).index_copy_(0, ids, probs)
-
-
-@dataclass(frozen=True)
-class Proposal:
-    """Draft tokens and, for drafters with a distribution, their q rows.
-
-    ``parents`` None: the tokens are one chain. Else they are a tree (greedy requests only):
-    ``parents[i]`` is where token i's parent sits in the target's feed ``[pending, *tokens]``
-    (0: the pending token), always an earlier place; a chain comes first (token i's parent is
-    i, for the first ``chain_length`` tokens), then the other candidates."""
-
-    tokens: list[int]
-    q_draft: torch.Tensor | None = None  # [len(tokens), vocab] or None (one-hot draft)
-    confidences: tuple[float, ...] = ()  # q(token) for each drafted token, for display
-    # Seconds spent catching up with the context (a prompt's prefill, tokens generated while
-    # drafting was off): paid once, not per draft, so adaptive k leaves it out of c_draft.
-    sync_time: float = 0.0
-    drafter: str | None = None  # which member of several drafted it (None: the drafter itself)
-    parents: tuple[int, ...] | None = None
-
-    @property
-    def chain_length(self) -> int:
-        """How many leading tokens form the chain (all of them when there is no tree)."""
-        if self.parents is None:
-            return len(self.tokens)
-        return next((i for i, parent in enumerate(self.parents) if parent != i),
-                    len(self.parents))
 
 
 class Calibration:
@@ -179,66 +153,89 @@ class DraftChain:
                         parents=(*range(len(self.tokens)), *[0] * len(self._siblings)))
 
 
-class Drafter(ABC):
-    """What the engine needs from any drafter."""
+class ModelDrafter(Drafter):
+    """A drafter that drafts one chain a step with a model or head (see the module docstring).
 
-    name: str  # which drafter it is (a method's drafter: the method's name), set by each
-    # Whether a proposal costs next to nothing and changes no state (n-gram lookup): the engine
-    # may then ask it for the drafts it would have made on steps another drafter drafted.
-    free: bool = False
-    # How often its guesses are accepted by confidence (model-based drafters): the engine
-    # records each verified chain in it, and it outlives ``reset`` (it learns the drafter).
-    calibration: Calibration | None = None
-    # Seconds a token of its last catch-up on the context took (``backlog``); None: not timed.
-    catch_up_cost: float | None = None
-    # Where a model-based drafter ends a chain (``DraftChain``); 0: where adaptive k says.
-    confidence_threshold: float = 0.0
+    Its last chain's verdict is read off the next context it is shown: the tokens that follow
+    where the chain started are the target's output, so the chain's guesses up to the first
+    that differs were kept. The recovered token after a rejection never equals the rejected
+    guess (greedy: it is the target's argmax; sampled: the residual is 0 there), and a tree's
+    other first guess kept counts as the chain rejected at once, so this reads exactly the
+    verifier's count. A chain that ends the answer is never read."""
 
-    @property
-    def stops_itself(self) -> bool:
-        """Whether it ends each chain where the chain's chance stops paying (a model-based
-        drafter with a threshold): adaptive k then asks it for k_max whenever drafting pays."""
-        return self.confidence_threshold > 0
+    def __init__(self, name: str, confidence_threshold: float = 0.0,
+                 cut: tuple[torch.Tensor, int] | None = None) -> None:
+        """``cut``: (ids, target vocabulary size) when the drafter's logits cover ``ids`` only
+        (``DraftChain``)."""
+        self.traits = DrafterTraits(name, stops_itself=confidence_threshold > 0)
+        self.confidence_threshold = confidence_threshold
+        self.calibration = Calibration()  # outlives ``reset``: it learns the drafter
+        self.catch_up_cost: float | None = None  # seconds a token of the last catch-up took
+        self._cut = cut
+        # the last chain: where it started in the context, its tokens and their confidences
+        self._last_chain: tuple[int, list[int], tuple[float, ...]] | None = None
+
+    def reset(self, keep_cache: bool = False) -> None:
+        self._last_chain = None
+        self._forget(keep_cache)
+
+    def _forget(self, keep_cache: bool) -> None:
+        """Drop per-sequence state (``reset``); none by default."""
+
+    def propose(self, context: list[int], k: int, params: SamplingParams,
+                generator: torch.Generator, width: int = 1) -> Proposal:
+        """A chain of at most ``k``; with ``width`` > 1 (greedy) the next best first guesses
+        beside its first token (``DraftChain``)."""
+        self._learn(context)
+        if k <= 0:
+            return Proposal([])
+        chain = DraftChain(params, generator, self.confidence_threshold, self.calibration,
+                           width, self._cut)
+        sync_time = self._draft(context, k, chain)
+        if sync_time is None or not chain.tokens:
+            return Proposal([])
+        proposal = chain.proposal(sync_time)
+        self._last_chain = (len(context), list(chain.tokens),
+                            proposal.confidences[: len(chain.tokens)])
+        return proposal
 
     @abstractmethod
-    def reset(self) -> None:
-        """Forget all per-sequence state before a new generation."""
+    def _draft(self, context: list[int], k: int, chain: DraftChain) -> float | None:
+        """Pick at most ``k`` tokens continuing ``context`` into ``chain`` (``chain.pick`` on
+        each position's logits, stopping once ``chain.done``); return the seconds spent
+        catching up on the context first (``_catch_up``), None if it cannot draft here."""
 
-    def reset_keeping_cache(self) -> None:
-        """``reset``, where the next context may start with this one's tokens (a conversation's
-        next turn): a drafter whose cache is exact whatever fed it (``ModelRunner.row_exact``)
-        may keep it. A plain ``reset`` by default."""
-        self.reset()
+    def outlook(self, context: list[int]) -> Outlook:
+        return Outlook(backlog=self._backlog(context), catch_up_cost=self.catch_up_cost,
+                       kept_share=self.calibration.kept_share())
 
-    @abstractmethod
-    def propose(
-        self,
-        context: list[int],
-        k: int,
-        params: SamplingParams,
-        generator: torch.Generator,
-    ) -> Proposal:
-        """Return at most ``k`` draft tokens continuing ``context``."""
-
-    def propose_tree(self, context: list[int], k: int, width: int, params: SamplingParams,
-                     generator: torch.Generator) -> Proposal:
-        """A proposal at most ``k`` deep with up to ``width`` candidates for the first token
-        (``Proposal.parents``), asked for greedy requests only. A chain unless the drafter
-        overrides it (model-based drafters: ``DraftChain``'s ``width``)."""
-        return self.propose(context, k, params, generator)
-
-    def sure(self, context: list[int]) -> int:
-        """How well founded the next guess after ``context`` is, known without drafting: 0
-        for no evidence (the default), 1 for enough that adaptive k may probe it while drafting
-        is off, 2 for more (n-gram lookup in the middle of a long copy). Each grade's guesses
-        are learnt apart (``DrafterChoice``); a bool is grade 0 or 1."""
+    def _backlog(self, context: list[int]) -> int:
+        """Tokens of ``context`` still to feed before drafting (``Outlook.backlog``)."""
         return 0
 
-    def backlog(self, context: list[int]) -> int:
-        """Tokens of ``context`` this drafter must still feed its own model before it can
-        draft (a draft model skipped so far catches up on the whole prompt): the choice of
-        drafter weighs that cost. None to feed by default."""
-        return 0
+    def _catch_up(self, feed: Callable[[], object], tokens: int) -> float:
+        """Run ``feed``, a pass over ``tokens`` tokens of context, timed apart from drafting
+        (a one-off cost that must not make each draft look dear to adaptive k); return its
+        seconds and keep their price per token."""
+        start = time.perf_counter()
+        feed()
+        seconds = time.perf_counter() - start
+        self.catch_up_cost = seconds / max(1, tokens)
+        return seconds
+
+    def _learn(self, context: list[int]) -> None:
+        """Teach the calibration the last chain's verdict, read off ``context``."""
+        if self._last_chain is None:
+            return
+        start, tokens, confidences = self._last_chain
+        known = context[start:]
+        if not known:  # not verified yet
+            return
+        kept = 0
+        while kept < min(len(known), len(tokens)) and known[kept] == tokens[kept]:
+            kept += 1
+        self.calibration.record(confidences, kept)
+        self._last_chain = None
 
 
 class BuildContext(Protocol):

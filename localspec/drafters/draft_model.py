@@ -16,15 +16,10 @@ Vocabularies padded to different sizes are handled by padding q to the target's 
 
 from __future__ import annotations
 
-import time
-
 import torch
 
-from localspec.drafters.base import BuildContext, Calibration, DraftChain, Drafter, Proposal
+from localspec.drafters.base import CATCH_UP_SPLIT, BuildContext, DraftChain, ModelDrafter
 from localspec.runtime.runner import ModelRunner, common_prefix
-from localspec.sampling import SamplingParams
-
-CATCH_UP_SPLIT = 4  # more tokens to catch up on than this are fed in a pass of their own
 
 
 def frequent_token_rows(tokenizer: object, count: int, vocab_size: int) -> torch.Tensor | None:
@@ -42,10 +37,8 @@ def frequent_token_rows(tokenizer: object, count: int, vocab_size: int) -> torch
     return torch.tensor(sorted(set(range(count)) | special), dtype=torch.long)
 
 
-class DraftModelDrafter(Drafter):
+class DraftModelDrafter(ModelDrafter):
     """Autoregressive drafting with a small model of the same tokenizer."""
-
-    name = "draft_model"
 
     def __init__(
         self,
@@ -54,36 +47,32 @@ class DraftModelDrafter(Drafter):
         tokenizer_vocab_size: int,
         confidence_threshold: float = 0.0,
     ) -> None:
+        # A cut head's logits stay over its rows while picking (``DraftChain``'s cut).
+        rows = runner.vocab_rows
+        super().__init__("draft_model", confidence_threshold,
+                         None if rows is None else (rows, target_vocab_size))
         self.runner = runner
         self.target_vocab_size = target_vocab_size
-        # Rows past the tokenizer's vocabulary are padding: never draft them.
+        # Rows past the tokenizer's vocabulary are padding: never draft them; a cut head masks
+        # them among its rows (``_invalid``), as ``_to_target_vocab`` does in a whole vocabulary.
         self.valid_vocab = min(tokenizer_vocab_size, runner.vocab_size, target_vocab_size)
-        self.confidence_threshold = confidence_threshold
-        self.calibration = Calibration()
-        # A cut head's logits stay over its rows while picking; rows past the tokenizer are
-        # masked there (``_invalid``), as ``_to_target_vocab`` masks them in a whole vocabulary.
-        rows = runner.vocab_rows
-        self._cut = None if rows is None else (rows, target_vocab_size)
         invalid = None if rows is None else rows >= self.valid_vocab
         self._invalid = invalid if invalid is not None and bool(invalid.any()) else None
         self._seen: list[int] = []  # tokens whose K/V sit in the draft cache
 
-    def reset(self) -> None:
-        self.runner.reset()
-        self._seen = []
-
-    def reset_keeping_cache(self) -> None:
-        """An exact cache is kept: the next ``propose`` keeps the prefix its context shares
-        with ``_seen`` and feeds the rest."""
-        if not self.runner.row_exact:
-            self.reset()
+    def _forget(self, keep_cache: bool) -> None:
+        """An exact cache may be kept: the next ``propose`` keeps the prefix its context
+        shares with ``_seen`` and feeds the rest."""
+        if not (keep_cache and self.runner.row_exact):
+            self.runner.reset()
+            self._seen = []
 
     def _common(self, context: list[int]) -> int:
         """Tokens at the start of ``context`` whose K/V the draft cache holds (always one fewer
         than ``context``: the last token is fed for its logits)."""
         return common_prefix(self._seen, context[:-1])
 
-    def backlog(self, context: list[int]) -> int:
+    def _backlog(self, context: list[int]) -> int:
         return len(context) - self._common(context)
 
     def _sync(self, context: list[int]) -> list[int]:
@@ -99,32 +88,14 @@ class DraftModelDrafter(Drafter):
         out[: self.valid_vocab] = logits[: self.valid_vocab]
         return out
 
-    def propose(
-        self,
-        context: list[int],
-        k: int,
-        params: SamplingParams,
-        generator: torch.Generator,
-    ) -> Proposal:
-        return self.propose_tree(context, k, 1, params, generator)
-
-    def propose_tree(self, context: list[int], k: int, width: int, params: SamplingParams,
-                     generator: torch.Generator) -> Proposal:
-        """A chain of at most ``k``; with ``width`` > 1 (greedy) the next best first guesses
-        beside its first token (``DraftChain``)."""
-        if k <= 0:
-            return Proposal([])
+    def _draft(self, context: list[int], k: int, chain: DraftChain) -> float:
         feed = self._sync(context)
         sync_time = 0.0
         if len(feed) > CATCH_UP_SPLIT:  # a prefill: timed apart from the drafting
-            start = time.perf_counter()
-            self.runner.forward(feed[:-1], logits_to_keep=1)
+            sync_time = self._catch_up(
+                lambda: self.runner.forward(feed[:-1], logits_to_keep=1), len(feed) - 1)
             self._seen.extend(feed[:-1])
-            sync_time = time.perf_counter() - start
-            self.catch_up_cost = sync_time / (len(feed) - 1)
             feed = feed[-1:]
-        chain = DraftChain(params, generator, self.confidence_threshold, self.calibration,
-                           width, self._cut)
         for _ in range(k):
             logits = self.runner.forward(feed, logits_to_keep=1, spread=self._cut is None)[-1]
             if self._cut is None:
@@ -136,7 +107,7 @@ class DraftModelDrafter(Drafter):
             if chain.done:
                 break
             feed = [token]
-        return chain.proposal(sync_time)
+        return sync_time
 
 
 def build(ctx: BuildContext) -> DraftModelDrafter:

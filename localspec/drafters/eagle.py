@@ -26,44 +26,36 @@ drafter does not load checkpoints (``head_layouts``) and does not verify.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
-from localspec.drafters.base import BuildContext, Calibration, DraftChain, Drafter, Proposal
+from localspec.drafters.base import CATCH_UP_SPLIT, BuildContext, DraftChain, ModelDrafter
 from localspec.drafters.eagle_head import EagleHead, HeadCache, eagle3_layers
 from localspec.drafters.head_files import read_head
 from localspec.drafters.head_layouts import load_eagle_head
 from localspec.runtime.runner import ModelRunner
-from localspec.sampling import SamplingParams
-
-CATCH_UP_SPLIT = 4  # more positions than this to catch up on go in a timed pass of their own
 
 
-class EagleDrafter(Drafter):
+class EagleDrafter(ModelDrafter):
     """Drafts k tokens with an EAGLE or EAGLE-3 head over ``target``'s recorded features."""
 
     def __init__(self, head: EagleHead, target: ModelRunner,
                  aux_layers: tuple[int, ...] | None = None,
                  confidence_threshold: float = 0.0) -> None:
+        # kind "eagle" | "eagle3"; an EAGLE-3 head picks among its own vocabulary's rows
+        super().__init__(head.spec.kind, confidence_threshold,
+                         None if head.lm_head is None else (head.draft_ids(), target.vocab_size))
         self.head = head
         self.target = target
-        self.name = head.spec.kind  # "eagle" | "eagle3"
         if head.spec.kind == "eagle3":
             self.feature_layers = aux_layers or eagle3_layers(target.num_layers)
         else:
             self.feature_layers = (target.num_layers,)
-        self.confidence_threshold = confidence_threshold
-        self.calibration = Calibration()
-        # An EAGLE-3 head picks among its own vocabulary's rows (``DraftChain``'s cut).
-        self._cut = (None if head.lm_head is None
-                     else (head.draft_ids(), target.vocab_size))
         self.cache = HeadCache(head.spec, head.fc.weight.dtype, head.fc.weight.device)
         # The context at the last propose: head positions 0..len - 2 hold real features.
         self._tokens: list[int] = []
         target.record_features(self.feature_layers)
 
-    def reset(self) -> None:
+    def _forget(self, keep_cache: bool) -> None:
         """Forget the sequence; ask the target (again: it may serve other drafters) for the
         features this head reads, before the engine's prefill."""
         self.target.record_features(self.feature_layers)
@@ -93,45 +85,30 @@ class EagleDrafter(Drafter):
             return self.target.head_logits(hidden)[0]
         return self.head.draft_logits(hidden)[0]
 
-    def propose(
-        self,
-        context: list[int],
-        k: int,
-        params: SamplingParams,
-        generator: torch.Generator,
-    ) -> Proposal:
-        return self.propose_tree(context, k, 1, params, generator)
-
     @torch.inference_mode()
-    def propose_tree(self, context: list[int], k: int, width: int, params: SamplingParams,
-                     generator: torch.Generator) -> Proposal:
-        """A chain of at most ``k``; with ``width`` > 1 (greedy) the next best first guesses
-        beside its first token (``DraftChain``)."""
+    def _draft(self, context: list[int], k: int, chain: DraftChain) -> float | None:
         last = len(context) - 2  # the target holds context[:-1]: features up to position last
-        if k <= 0 or last < 0 or self.target.length <= last:
-            return Proposal([])
+        if last < 0 or self.target.length <= last:
+            return None
         start = self._keep(context, last)
         features = self.target.features(start, last + 1)  # [last + 1 - start, width]
         ids = context[start + 1 : last + 2]
         sync_time = 0.0
         if len(ids) > CATCH_UP_SPLIT:  # a prompt: timed apart from the drafting
-            began = time.perf_counter()
-            self._step(features[:-1], ids[:-1], start, from_target=True)
-            sync_time = time.perf_counter() - began
+            sync_time = self._catch_up(
+                lambda: self._step(features[:-1], ids[:-1], start, from_target=True),
+                len(ids) - 1)
             features, ids, start = features[-1:], ids[-1:], last
         for_logits, hidden = self._step(features, ids, start, from_target=True)
         self._tokens = list(context)
         for_logits, hidden = for_logits[-1:], hidden[-1:]  # [1, h] each
-
-        chain = DraftChain(params, generator, self.confidence_threshold, self.calibration,
-                           width, self._cut)
         for j in range(k):
             token = chain.pick(self._logits(for_logits))
             if chain.done or j + 1 == k:
                 break
             # its own output stands in for the feature it cannot have
             for_logits, hidden = self._step(hidden, [token], last + 1 + j, from_target=False)
-        return chain.proposal(sync_time)
+        return sync_time
 
 
 def _build(ctx: BuildContext, kind: str) -> EagleDrafter:

@@ -27,33 +27,29 @@ from __future__ import annotations
 
 import torch
 
-from localspec.drafters.base import BuildContext, Calibration, DraftChain, Drafter, Proposal
+from localspec.drafters.base import BuildContext, DraftChain, ModelDrafter
 from localspec.drafters.head_files import read_head
 from localspec.drafters.head_layouts import load_medusa_heads
 from localspec.drafters.medusa_head import MedusaHeads
 from localspec.runtime.runner import ModelRunner
 from localspec.runtime.weight_formats import spread_logits
-from localspec.sampling import SamplingParams
 
 
-class MedusaDrafter(Drafter):
+class MedusaDrafter(ModelDrafter):
     """Drafts ``min(k, K)`` tokens from the target's last verified feature."""
-
-    name = "medusa"
 
     def __init__(self, heads: MedusaHeads, target: ModelRunner,
                  confidence_threshold: float = 0.0) -> None:
+        super().__init__("medusa", confidence_threshold)
         self.heads = heads
         self.target = target
-        self.confidence_threshold = confidence_threshold
-        self.calibration = Calibration()
         self.feature_layers = (target.num_layers,)  # the final normed hidden state
         target.record_features(self.feature_layers)
         # Without LM heads of their own the heads read the target's, cut to token_map if any.
         self._target_head = (target.head_logits if heads.token_map is None
                              else target.head_cut(heads.token_map))
 
-    def reset(self) -> None:
+    def _forget(self, keep_cache: bool) -> None:
         """Ask the target (again: it may serve other drafters) for its final features."""
         self.target.record_features(self.feature_layers)
 
@@ -67,32 +63,18 @@ class MedusaDrafter(Drafter):
         rows = self.heads.token_map
         return sub if rows is None else spread_logits(sub, rows, self.heads.vocab_size)
 
-    def propose(
-        self,
-        context: list[int],
-        k: int,
-        params: SamplingParams,
-        generator: torch.Generator,
-    ) -> Proposal:
-        return self.propose_tree(context, k, 1, params, generator)
-
     @torch.inference_mode()
-    def propose_tree(self, context: list[int], k: int, width: int, params: SamplingParams,
-                     generator: torch.Generator) -> Proposal:
-        """A chain of at most ``k``; with ``width`` > 1 (greedy) the next best first guesses
-        beside its first token (``DraftChain``)."""
+    def _draft(self, context: list[int], k: int, chain: DraftChain) -> float | None:
         # The target holds context[:-1]; the feature of context[-2] predicted context[-1].
         last = len(context) - 2
-        if k <= 0 or last < 0 or self.target.length <= last:
-            return Proposal([])
+        if last < 0 or self.target.length <= last:
+            return None
         feature = self.target.features(last, last + 1)  # [1, hidden]
-        chain = DraftChain(params, generator, self.confidence_threshold, self.calibration,
-                           width)
         for i in range(min(k, self.heads.num_heads)):
             chain.pick(self._logits(i, feature))
             if chain.done:
                 break
-        return chain.proposal()
+        return 0.0
 
 
 def build(ctx: BuildContext) -> MedusaDrafter:

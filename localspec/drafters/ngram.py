@@ -17,7 +17,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from localspec.drafters.base import BuildContext, Drafter, Proposal
+from localspec.drafters.base import BuildContext
+from localspec.engine.drafter import Drafter, DrafterTraits, Outlook, Proposal
 from localspec.sampling import SamplingParams
 
 SINGLE_TOKEN_MATCH_DRAFTS = 3
@@ -55,8 +56,7 @@ def find_ngram_continuation(
 class NgramDrafter(Drafter):
     """Prompt lookup over prompt + generated text."""
 
-    name = "ngram"
-    free = True
+    traits = DrafterTraits("ngram", free=True)
 
     def __init__(self, prompt_lookup_max: int = 4, prompt_lookup_min: int = 1) -> None:
         if not 1 <= prompt_lookup_min <= prompt_lookup_max:
@@ -67,8 +67,12 @@ class NgramDrafter(Drafter):
         self.prompt_lookup_max = prompt_lookup_max
         self.prompt_lookup_min = prompt_lookup_min
 
-    def reset(self) -> None:
+    def reset(self, keep_cache: bool = False) -> None:
         """Stateless: the context is searched afresh each step."""
+
+    def outlook(self, context: list[int]) -> Outlook:
+        """Its evidence (``Outlook.sure``) from the context alone (``sure``)."""
+        return Outlook(sure=self.sure(context))
 
     def sure(self, context: list[int]) -> int:
         """1 when the context's last ``prompt_lookup_max`` tokens occurred before: the next
@@ -93,6 +97,7 @@ class NgramDrafter(Drafter):
         k: int,
         params: SamplingParams,
         generator: torch.Generator,
+        width: int = 1,
     ) -> Proposal:
         if k <= 0:
             return Proposal([])

@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import torch
 
-from localspec.drafters.base import Drafter, Proposal
+from localspec.engine.drafter import Drafter, DrafterTraits, Proposal
 from localspec.sampling import SamplingParams
 
 
 class SimulatedDrafter(Drafter):
     """A real drafter's cost with the target's greedy tokens, each kept with ``acceptance``."""
 
-    name = "simulated"
+    traits = DrafterTraits("simulated")
 
     def __init__(self, inner: Drafter, reference: list[int], prompt_length: int,
                  acceptance: float, seed: int = 0) -> None:
@@ -36,12 +36,12 @@ class SimulatedDrafter(Drafter):
         self.seed = seed
         self._generator = torch.Generator().manual_seed(seed)
 
-    def reset(self) -> None:
+    def reset(self, keep_cache: bool = False) -> None:
         self.inner.reset()
         self._generator = torch.Generator().manual_seed(self.seed)
 
     def propose(self, context: list[int], k: int, params: SamplingParams,
-                generator: torch.Generator) -> Proposal:
+                generator: torch.Generator, width: int = 1) -> Proposal:
         real = self.inner.propose(context, k, params, generator)  # the cost, paid
         start = len(context) - self.prompt_length
         truth = self.reference[start : start + len(real.tokens)]

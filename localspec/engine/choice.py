@@ -1,74 +1,62 @@
-"""Which drafter drafts each step, and how many tokens: adaptive k over one or more drafters.
+"""The engine's policy: which drafter drafts each step, and how many tokens.
 
-One ``AdaptiveK`` estimator per drafter (its acceptance r_j by position in this answer and its
-drafting cost per token), all sharing one verify-cost line (a pass over n tokens costs the
-same whoever drafted them). Each step ``order`` ranks the drafters to ask:
+The engine runs one or more drafters (method "auto", or a model behind n-gram lookup, runs
+several; a single method runs one; plain decoding none). ``DraftPolicy`` is all the engine asks
+about them: ``draft`` for this step's proposal, ``record`` for the step's verdict. Inside it:
+
+``DrafterChoice`` keeps one ``AdaptiveK`` estimator per drafter (its acceptance r_j by position
+in this answer and its drafting cost per token), all sharing one verify-cost line (a pass over
+n tokens costs the same whoever drafted them). Each step ``order`` ranks the drafters to ask:
 
   1. a resting drafter (one whose drafts do not pay) that is sure of its next guess and whose
      sure-probe is due (n-gram lookup matching its longest n-gram: the text reached a copy);
   2. the drafters whose best draft beats plain decoding, highest expected tokens per second
-     first (a sure one first among equals: lookup's sure guesses in code generation miss
-     often enough that ranking them above a faster draft model cost 10-20% there);
+     first (a sure one first among equals: ranking lookup's sure guesses above a faster draft
+     model lost in code generation, where they miss often);
   3. a resting drafter whose probe interval has run out.
 
-A drafter that says it is sure of its next guess is ranked by an estimator that learns only
-its guesses of that grade of evidence (``Drafter.sure``): lookup's guesses after a match of its
-longest n-gram are kept far more often than after a one-token match (90% against 28% on the
-bench's answers), and one estimate of both kept it below the draft model at the start of a
-copied stretch after a run of weak misses (in one process, interleaved, over the six built-in
-prompts: `ngram` 33.52 -> 36.16 tok/s, `auto` 40.66 -> 42.10). Where its sure guesses miss
-(code generation), that estimator learns it and the draft model stays first. Its second
-grade, a match reaching back ``ngram.LONG_MATCH`` tokens (a copy under way, whose next guess
-was kept 98% of the time once the match reached 10 tokens), starts from a prior of
-``LONG_COPY_PRIOR`` weighing ``LONG_COPY_WEIGHT`` steps: learnt from the same weak prior as the
-others, it drafted 3, 4, 6, 7 tokens, a pass each, into a summary's 31-token copy, where 12
-would have been kept (virtual clock, bench prompts: `auto` 1.520 -> 1.541,
-docs/benchmarks.md).
+A drafter's guesses made with evidence (``Outlook.sure``) are learnt by estimators of their
+own, one per grade: lookup's guesses after a match of its longest n-gram are kept far more often
+than after a one-token match, and one estimate of both kept it below the draft model at the
+start of a copied stretch. Its second grade, a copy under way, starts from a strong prior
+(``LONG_COPY_PRIOR`` weighing ``LONG_COPY_WEIGHT`` steps), so it drafts long into a copy at once.
 
 A drafter that has not drafted yet in this answer and is behind the context (a draft model that
-must first read the whole prompt: ``Drafter.backlog``) waits while a drafter already measured
+must first read the whole prompt: ``Outlook.backlog``) waits while a drafter already measured
 pays, as in ski rental: its catch-up is the price of buying, and each step that kept no draft
-pays the rent, what the drafter could have saved there. That is a share of the step, not all
-of it (where a draft model pays here it answers 1.3-1.5x faster than plain decoding, saving a
-quarter to a third of a step), so it starts once the verify time of the steps that kept no
-draft reaches ``CATCH_UP_RENT`` times its catch-up. A catch-up within ``CATCH_UP_ALLOWANCE``
-plain steps is paid at once: a chat or code request's prompt (35-60 tokens, ~0.1 s for the
-0.5B here) costs less than waiting for it would. The catch-up is priced at the drafter's own
-last one per token (``Drafter.catch_up_cost``), else at the target's prefill, an upper bound
-for a smaller model. Where the drafters that run do well, a costly catch-up never pays: on the
-summary prompt, once the 0.5B had read its 179 prompt tokens, its confident chains took steps
-that lookup would have copied for free. Priced as the whole lost step with no allowance, the
-virtual clock (``scripts/policy_clock.py``, 22 prompts) gave 1.321x; with rent and allowance
-1.362x, the summary 1.40 -> 1.71x and no bench prompt slower (docs/benchmarks.md).
+pays the rent, a share of the step the drafter could have saved. It starts once the verify time
+of the steps that kept no draft reaches ``CATCH_UP_RENT`` times its catch-up; a catch-up within
+``CATCH_UP_ALLOWANCE`` plain steps (a chat prompt's) is paid at once. The catch-up is priced at
+the drafter's own last one per token (``Outlook.catch_up_cost``), else at the target's prefill,
+an upper bound for a smaller model.
 
-The engine asks them in that order and takes the first proposal that has tokens: a drafter
-that has nothing to offer (lookup without a match) costs almost nothing and cedes the step.
-When no drafter is asked, or none proposes anything, the step is plain decoding, so
-speculation is never slower than plain decoding by more than the probes, and the probes let
-a drafter come back when the text changes. With one drafter this is exactly ``AdaptiveK``'s
-own ``choose``. With adaptive k off every drafter is asked ``k_max`` tokens, in the listed
-order (lookup first).
-
-``record`` attributes the verdict to the drafter that drafted (the engine knows
-``verdict.num_accepted``), closes the probes of those asked, and counts the step towards the
-next probe of those that rested.
+The policy asks the drafters in that order and takes the first proposal that has tokens: a
+drafter with nothing to offer (lookup without a match) costs almost nothing and cedes the step.
+When none is asked or none proposes, the step is plain decoding, so speculation is never slower
+than plain decoding by more than the probes. With one drafter this is exactly ``AdaptiveK``'s
+own ``choose``; with adaptive k off every drafter is asked ``k_max`` tokens in the listed order.
 
 Only the drafter that drafts learns from a step, so a drafter ranked below another would never
-learn that it would now do better: one early miss of n-gram lookup kept it resting for whole
-stretches of a summary while the draft model drafted 2-5 tokens a step at ~10 ms a draft, where
-lookup's free runs of 3-11 would have paid more. So in greedy decoding, whose output is the
-target's whatever drafts, a free drafter (``Drafter.free``: a proposal costs nothing and changes
-no state) that did not draft is asked what it would have drafted (``Shadows``), and once the
-output shows how many of those tokens it would have kept, its estimator learns that as if it
-had drafted.
+learn that it would now do better. So in greedy decoding, whose output is the target's whatever
+the drafts, a free drafter (``DrafterTraits.free``: a proposal costs nothing and changes no
+state) that did not draft is asked what it would have drafted (``Shadows``), and once the output
+shows how many of those tokens it would have kept, its estimator learns that as if it had
+drafted. Which drafter drafts never depends on the target's draws at that step, and each
+proposal is verified with its own q, so the output stays exactly the target's. The constants'
+measurements are in docs/research-log.md.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+import torch
 
 from localspec.engine.adaptive import LEARNT_PRIOR_WEIGHT, AdaptiveK, VerifyLine
+from localspec.engine.drafter import Drafter, Proposal
+from localspec.sampling import SamplingParams
 
 # A drafter behind the context starts once the steps that kept no draft have cost this many
 # times its catch-up beyond CATCH_UP_ALLOWANCE plain steps (see the module docstring).
@@ -86,7 +74,7 @@ class Attempt:
     index: int
     k: int
     probe: bool = False  # a probe of a resting drafter
-    sure: int = 0  # the drafter's evidence for its next guess (``Drafter.sure``)
+    sure: int = 0  # the drafter's evidence for its next guess (``Outlook.sure``)
 
 
 class DrafterChoice:
@@ -95,7 +83,7 @@ class DrafterChoice:
     def __init__(self, count: int, k_max: int, enabled: bool = True,
                  stops_itself: Sequence[bool] = (),
                  kept_shares: Sequence[float | None] = ()) -> None:
-        """``stops_itself[i]``: drafter i ends its own chains (``Drafter.stops_itself``);
+        """``stops_itself[i]``: drafter i ends its own chains (``DrafterTraits.stops_itself``);
         ``kept_shares[i]``: the share of its guesses kept over earlier requests
         (``Calibration.kept_share``), None where unknown."""
         self.k_max = k_max if count else 0
@@ -125,7 +113,7 @@ class DrafterChoice:
 
     def order(self, sure: list[int], catch_up: list[float] | None = None) -> list[Attempt]:
         """The drafters to ask this step, in turn, until one proposes tokens; [] for a plain
-        step. ``sure[i]``: drafter i's evidence for its next guess (``Drafter.sure``);
+        step. ``sure[i]``: drafter i's evidence for its next guess (``Outlook.sure``);
         ``catch_up[i]``: the seconds it would take to catch up on the context first."""
         self._resting = []
         self._sure = [int(s) for s in sure]
@@ -195,7 +183,7 @@ class DrafterChoice:
             self._lost += verify_time
 
     def sure_now(self, drafter: int) -> int:
-        """``drafter``'s evidence for its next guess this step (``Drafter.sure``)."""
+        """``drafter``'s evidence for its next guess this step (``Outlook.sure``)."""
         return self._sure[drafter]
 
     def shadow(self, drafter: int, drafted: int, accepted: int, draft_time: float,
@@ -243,3 +231,77 @@ class Shadows:
             else:
                 waiting.append(p)
         self._pending = waiting
+
+
+@dataclass(frozen=True)
+class Draft:
+    """One step's drafts, as the policy got them."""
+
+    k: int  # the draft length asked last (0: no drafter asked)
+    proposal: Proposal  # what to verify (no tokens: a plain step)
+    drafter: int | None  # the index of the drafter that proposed it; None: a plain step
+    times: dict[int, float]  # drafting seconds of each drafter asked, catch-up left out
+
+
+class DraftPolicy:
+    """The drafters of one answer and how each step is drafted: ``draft``, then ``record``."""
+
+    def __init__(self, drafters: Sequence[Drafter], context: list[int], k_max: int,
+                 adaptive: bool, greedy: bool) -> None:
+        """``context``: the prompt, which the drafters were just reset for."""
+        self.drafters = tuple(drafters)
+        outlooks = [drafter.outlook(context) for drafter in self.drafters]
+        self.choice = DrafterChoice(len(self.drafters), k_max, adaptive,
+                                    [drafter.traits.stops_itself for drafter in self.drafters],
+                                    [outlook.kept_share for outlook in outlooks])
+        # what free drafters would have drafted, where the output alone says what was kept
+        self.shadows = Shadows() if greedy and len(self.drafters) > 1 else None
+
+    def draft(self, context: list[int], room: int, params: SamplingParams,
+              generator: torch.Generator, width: int = 1, prefill_cost: float = 0.0) -> Draft:
+        """Ask the drafters ``choice`` ranks, in turn, for at most ``room`` tokens (a tree of
+        ``width`` first guesses where ``width`` > 1) until one proposes any; then ask the free
+        drafters not asked what they would have drafted. A drafter behind the context has its
+        backlog priced at its own last catch-up or else at ``prefill_cost``, the target's."""
+        outlooks = [drafter.outlook(context) for drafter in self.drafters]
+        catch_up = [o.backlog * (o.catch_up_cost or prefill_cost) for o in outlooks]
+        times: dict[int, float] = {}
+        result = Draft(0, Proposal([]), None, times)
+        for attempt in self.choice.order([o.sure for o in outlooks], catch_up):
+            self.choice.asked(attempt)
+            k = min(attempt.k, room)
+            start = time.perf_counter()
+            proposal = self.drafters[attempt.index].propose(context, k, params, generator, width)
+            times[attempt.index] = time.perf_counter() - start - proposal.sync_time
+            if proposal.tokens:  # a tree is k deep at most by construction
+                if proposal.parents is None:
+                    proposal = replace(proposal, tokens=proposal.tokens[:k])
+                result = Draft(k, proposal, attempt.index, times)
+                break
+            result = Draft(k, proposal, None, times)
+        if self.shadows is not None:
+            self._shadow(self.shadows, set(times), context, params, generator)
+        return result
+
+    def _shadow(self, shadows: Shadows, asked: set[int], context: list[int],
+                params: SamplingParams, generator: torch.Generator) -> None:
+        """Ask each free drafter not ``asked`` this step what it would have drafted."""
+        for i, drafter in enumerate(self.drafters):
+            if drafter.traits.free and i not in asked:
+                start = time.perf_counter()
+                guess = drafter.propose(context, self.choice.k_max, params, generator)
+                shadows.add(i, len(context), guess.tokens, time.perf_counter() - start,
+                            self.choice.sure_now(i))
+
+    def record(self, draft: Draft, accepted: int, verify_time: float,
+               context: list[int]) -> None:
+        """Learn one step: the target kept ``accepted`` of ``draft``'s chain in a pass of
+        ``verify_time`` seconds, and ``context`` is the output so far (shadows settle on it)."""
+        self.choice.record(draft.drafter, draft.proposal.chain_length, accepted, draft.times,
+                           verify_time)
+        if self.shadows is not None:
+            self.shadows.resolve(context, self.choice)
+
+    def name(self, draft: Draft) -> str | None:
+        """The name of ``draft``'s drafter (None: a plain step)."""
+        return None if draft.drafter is None else self.drafters[draft.drafter].traits.name

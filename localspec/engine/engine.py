@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
 from localspec.config import MAX_SPECULATIVE_TOKENS
-from localspec.drafters.base import Drafter, Proposal
-from localspec.drafters.multi import MultiDrafter
-from localspec.engine.choice import DrafterChoice, Shadows
+from localspec.engine.choice import DraftPolicy
+from localspec.engine.drafter import Drafter, Proposal
 from localspec.engine.verify import Verdict, verify_greedy, verify_sampling, verify_tree
 from localspec.errors import LocalSpecError
 from localspec.runtime.runner import ModelRunner
@@ -79,7 +78,7 @@ class StepEvent:
     draft_time: float
     verify_time: float
     finish_reason: str | None = None  # "eos" | "stop" | "length" | "cancelled" | None
-    drafter: str | None = None  # the drafter of ``drafted`` (a member's name); None: no drafts
+    drafter: str | None = None  # the drafter of ``drafted`` (its traits' name); None: no drafts
     cached: int = 0  # first step only: prompt tokens kept from the last request's cache
 
     @property
@@ -128,20 +127,27 @@ class _TextStream:
 
 
 class SpeculativeEngine:
-    """Streams generation of a target model, optionally sped up by a drafter."""
+    """Streams generation of a target model, optionally sped up by drafters."""
 
     def __init__(
         self,
         target: ModelRunner,
-        drafter: Drafter | None,
+        drafters: Sequence[Drafter],
         decode: Callable[[list[int]], str],
         eos_token_ids: set[int],
     ) -> None:
-        if drafter is not None and not isinstance(drafter, Drafter):
-            raise TypeError(f"{type(drafter).__name__} is not a Drafter: a drafter subclasses "
-                            "localspec.drafters.base.Drafter (reset, propose, sure)")
+        """``drafters``: none for plain decoding, one, or several that ``DraftPolicy`` picks
+        from each step (method "auto")."""
+        for drafter in drafters:
+            if not isinstance(drafter, Drafter):
+                raise TypeError(f"{type(drafter).__name__} is not a Drafter: a drafter "
+                                "subclasses localspec.engine.drafter.Drafter (traits, reset, "
+                                "propose)")
+        names = [drafter.traits.name for drafter in drafters]
+        if len(set(names)) < len(names):
+            raise ValueError(f"an engine's drafters must be distinct, got {names}")
         self.target = target
-        self.drafter = drafter
+        self.drafters = tuple(drafters)
         self.decode = decode
         self.eos_token_ids = set(eos_token_ids)
 
@@ -155,7 +161,7 @@ class SpeculativeEngine:
         if request.max_new_tokens < 1:
             raise GenerationError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
         k = request.num_speculative_tokens
-        if self.drafter is not None and not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        if self.drafters and not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise GenerationError(
                 f"num_speculative_tokens must be between 1 and {MAX_SPECULATIVE_TOKENS}, got {k}"
             )
@@ -184,176 +190,102 @@ class SpeculativeEngine:
         # Every draw on the target's device: a CPU generator cannot drive CUDA multinomials.
         generator = torch.Generator(device=self.target.device).manual_seed(request.seed)
         stream = _TextStream(self.decode, request.stop_strings)
-
-        # Hidden states are kept only for a drafter that reads them: a head drafter asks
-        # again in its reset, and the engines of one preset share the target runner.
-        self.target.record_features(None)
-        if self.drafter is not None and request.reuse_prefix:
-            self.drafter.reset_keeping_cache()
-        elif self.drafter is not None:
-            self.drafter.reset()
-        members = self.members()
-        choice = DrafterChoice(len(members), request.num_speculative_tokens, request.adaptive,
-                               [member.stops_itself for member in members],
-                               [None if member.calibration is None
-                                else member.calibration.kept_share() for member in members])
-        # what free drafters would have drafted, where the output alone says what was kept
-        shadows = Shadows() if params.greedy and len(members) > 1 else None
-        width = request.tree_width if params.greedy and self.target.supports_trees else 1
         context = list(request.prompt_ids)
-        cached = 0  # prompt tokens whose cache the last request left
-        if request.reuse_prefix:
-            cached = self.target.keep_prefix(context[:-1])
-        else:
-            self.target.reset()
-        prefill_cost = 0.0  # seconds a token of the target's prefill: a catch-up's upper bound
-        if len(context) - 1 > cached:
-            start = time.perf_counter()
-            self.target.forward(context[cached:-1], logits_to_keep=1)
-            prefill_cost = (time.perf_counter() - start) / (len(context) - 1 - cached)
-        generated = 0
-        step = 0
+        policy, cached, prefill_cost = self._start(request, context)
+        width = request.tree_width if params.greedy and self.target.supports_trees else 1
+        generated = step = 0
         while True:
             step += 1
             if cancelled():
                 yield self._final_event(step, stream, "cancelled")
                 return
             t0 = time.perf_counter()
-            k, used, proposal, draft_times = self._draft(members, choice, context,
-                                                         max_new - generated, params, generator,
-                                                         width, prefill_cost)
-            if shadows is not None:
-                self._shadow(members, set(draft_times), choice, shadows, context, params,
-                             generator)
+            draft = policy.draft(context, max_new - generated, params, generator, width,
+                                 prefill_cost)
             t1 = time.perf_counter()
-            drafts = proposal.tokens
-            if proposal.parents is None:
-                logits = self.target.forward([context[-1], *drafts])  # [len(drafts) + 1, vocab]
-                verdict, p_rows = self._verify(logits, proposal, drafts, params, generator)
-                path = list(range(verdict.num_accepted + 1))
-                t2 = time.perf_counter()
-                # Keep the pending token and the accepted drafts; the target's token is pending.
-                self.target.crop(len(context) + verdict.num_accepted)
-            else:  # a tree: every node sees its root path only, the agreed path is kept
-                logits = self.target.forward([context[-1], *drafts],
-                                             parents=[-1, *proposal.parents])
-                verdict, path = verify_tree(logits, drafts, proposal.parents)
-                p_rows = torch.softmax(logits[path], dim=-1)  # the kept rows only
-                t2 = time.perf_counter()
-                self.target.keep_path(path)
-            chain = proposal.chain_length  # adaptive k and calibration judge the chain
-            choice.record(used, chain, verdict.num_accepted, draft_times, t2 - t1)
-            if used is not None and (calibration := members[used].calibration) is not None:
-                on_chain = path == list(range(len(path)))
-                calibration.record(proposal.confidences[:chain],
-                                   verdict.num_accepted if on_chain else 0)
-            # the kept path's drafts first: drafted[:accepted] are the accepted tokens
-            order = [*path[1:], *(r for r in range(1, len(drafts) + 1) if r not in path)]
-            accepted = [drafts[r - 1] for r in path[1:]]
-            new_tokens = [*accepted, verdict.token]
+            verdict, path, p_rows = self._verify(context, draft.proposal, params, generator)
+            t2 = time.perf_counter()
+            drafts = draft.proposal.tokens
+            new_tokens = [*(drafts[r - 1] for r in path[1:]), verdict.token]
             kept, finish = self._cut(new_tokens, generated, max_new)
             context.extend(kept)
-            if shadows is not None:
-                shadows.resolve(context, choice)
+            policy.record(draft, verdict.num_accepted, t2 - t1, context)
             generated += len(kept)
             delta, stopped = stream.push(kept, final=finish is not None)
-            if stopped:
-                finish = "stop"
+            # the kept path's drafts first: drafted[:accepted] are the accepted tokens
+            order = [*path[1:], *(r for r in range(1, len(drafts) + 1) if r not in path)]
             yield StepEvent(
                 step=step,
-                k=k,
+                k=draft.k,
                 drafted=tuple(drafts[r - 1] for r in order),
                 accepted=verdict.num_accepted,
                 target_token=verdict.token if len(kept) == len(new_tokens) else None,
                 target_token_kind="bonus" if verdict.is_bonus else "recovered",
                 tokens=tuple(kept),
                 p_target=tuple(float(p_rows[i, t]) for i, t in enumerate(kept)),
-                q_draft=tuple(proposal.confidences[r - 1] for r in order
-                              if r <= len(proposal.confidences)),
+                q_draft=tuple(draft.proposal.confidences[r - 1] for r in order
+                              if r <= len(draft.proposal.confidences)),
                 text_delta=delta,
                 draft_time=t1 - t0,
                 verify_time=t2 - t1,
-                finish_reason=finish,
-                drafter=proposal.drafter if drafts else None,
+                finish_reason="stop" if stopped else finish,
+                drafter=policy.name(draft),
                 cached=cached if step == 1 else 0,
             )
-            if finish is not None:
+            if stopped or finish is not None:
                 return
 
-    def members(self) -> tuple[Drafter, ...]:
-        """The drafters the engine chooses from each step: an ``auto`` set's members, else its
-        one drafter (none for plain decoding)."""
-        if isinstance(self.drafter, MultiDrafter):
-            return self.drafter.members
-        return () if self.drafter is None else (self.drafter,)
-
-    @staticmethod
-    def _draft(
-        members: Sequence[Drafter],
-        choice: DrafterChoice,
-        context: list[int],
-        room: int,
-        params: SamplingParams,
-        generator: torch.Generator,
-        width: int = 1,
-        prefill_cost: float = 0.0,
-    ) -> tuple[int, int | None, Proposal, dict[int, float]]:
-        """Ask the drafters ``choice`` ranks, in turn, for at most ``room`` tokens; return the
-        k asked last, the index of the drafter whose proposal has tokens (None: a plain step),
-        that proposal (its ``drafter`` named) and each asked drafter's drafting seconds, its
-        catch-up on the context left out (``Proposal.sync_time``). A drafter that knows for
-        free that its next guess is well founded (n-gram lookup: a long match) says so; adaptive
-        k probes such a guess while drafting is off. With ``width`` > 1 each is asked for a tree
-        (``Drafter.propose_tree``). A drafter behind the context tells its backlog, priced at
-        its own last catch-up or else at ``prefill_cost``, the target's."""
-        times: dict[int, float] = {}
-        k = 0
-        catch_up = [member.backlog(context) * (member.catch_up_cost or prefill_cost)
-                    for member in members]
-        for attempt in choice.order([member.sure(context) for member in members], catch_up):
-            choice.asked(attempt)
-            member, k = members[attempt.index], min(attempt.k, room)
+    def _start(self, request: GenerationRequest,
+               context: list[int]) -> tuple[DraftPolicy, int, float]:
+        """Reset the drafters and the target for ``context`` (the prompt) and prefill the
+        target up to its last token; return the step policy, the prompt tokens whose cache the
+        last request left (``reuse_prefix``) and the seconds a token of the prefill took (a
+        catch-up's upper bound)."""
+        # Hidden states are kept only for a drafter that reads them: a head drafter asks
+        # again in its reset, and the engines of one preset share the target runner.
+        self.target.record_features(None)
+        for drafter in self.drafters:
+            drafter.reset(keep_cache=request.reuse_prefix)
+        cached = self.target.keep_prefix(context[:-1]) if request.reuse_prefix else 0
+        if not request.reuse_prefix:
+            self.target.reset()
+        prefill_cost = 0.0
+        if len(context) - 1 > cached:
             start = time.perf_counter()
-            proposal = (member.propose_tree(context, k, width, params, generator) if width > 1
-                        else member.propose(context, k, params, generator))
-            times[attempt.index] = time.perf_counter() - start - proposal.sync_time
-            if proposal.tokens:  # a tree is k deep at most by construction
-                tokens = proposal.tokens if proposal.parents else proposal.tokens[:k]
-                proposal = replace(proposal, tokens=tokens,
-                                   drafter=proposal.drafter or member.name)
-                return k, attempt.index, proposal, times
-        return k, None, Proposal([]), times
-
-    @staticmethod
-    def _shadow(members: Sequence[Drafter], asked: set[int], choice: DrafterChoice,
-                shadows: Shadows, context: list[int], params: SamplingParams,
-                generator: torch.Generator) -> None:
-        """Ask each free drafter not ``asked`` this step (one asked drafted, or had nothing)
-        what it would have drafted."""
-        for i, member in enumerate(members):
-            if member.free and i not in asked:
-                start = time.perf_counter()
-                guess = member.propose(context, choice.k_max, params, generator)
-                shadows.add(i, len(context), guess.tokens, time.perf_counter() - start,
-                            choice.sure_now(i))
+            self.target.forward(context[cached:-1], logits_to_keep=1)
+            prefill_cost = (time.perf_counter() - start) / (len(context) - 1 - cached)
+        policy = DraftPolicy(self.drafters, context, request.num_speculative_tokens,
+                             request.adaptive, request.sampling.greedy)
+        return policy, cached, prefill_cost
 
     def _verify(
         self,
-        logits: torch.Tensor,
+        context: list[int],
         proposal: Proposal,
-        drafts: list[int],
         params: SamplingParams,
         generator: torch.Generator,
-    ) -> tuple[Verdict, torch.Tensor]:
-        """Run the verifier; also return target probabilities per row for the event."""
+    ) -> tuple[Verdict, list[int], torch.Tensor]:
+        """One target pass over ``[pending, *drafts]``; return the verdict, the kept path (feed
+        rows: 0 and the accepted drafts') and target probabilities of the kept rows. The
+        target's cache keeps the path; the target's own token is pending."""
+        drafts = proposal.tokens
+        if proposal.parents is not None:  # a tree: every node sees its root path only
+            logits = self.target.forward([context[-1], *drafts], parents=[-1, *proposal.parents])
+            verdict, path = verify_tree(logits, drafts, proposal.parents)
+            self.target.keep_path(path)
+            return verdict, path, torch.softmax(logits[path], dim=-1)
+        logits = self.target.forward([context[-1], *drafts])  # [len(drafts) + 1, vocab]
         if params.greedy:
             # probabilities of the rows whose tokens are kept only: a softmax over 151,936
             # logits costs ~1 ms a row, and a rejected draft's row is never shown
             verdict = verify_greedy(logits, drafts)
-            return verdict, torch.softmax(logits[: verdict.num_accepted + 1], dim=-1)
-        p_target = logits_to_probs(logits, params)  # [k + 1, vocab]
-        q_draft = proposal.q_draft[: len(drafts)] if proposal.q_draft is not None else None
-        return verify_sampling(p_target, q_draft, drafts, generator), p_target
+            p_rows = torch.softmax(logits[: verdict.num_accepted + 1], dim=-1)
+        else:
+            p_rows = logits_to_probs(logits, params)  # [k + 1, vocab]
+            q_draft = proposal.q_draft[: len(drafts)] if proposal.q_draft is not None else None
+            verdict = verify_sampling(p_rows, q_draft, drafts, generator)
+        self.target.crop(len(context) + verdict.num_accepted)
+        return verdict, list(range(verdict.num_accepted + 1)), p_rows
 
     def _cut(
         self, new_tokens: list[int], generated: int, max_new: int

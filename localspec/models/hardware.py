@@ -272,7 +272,7 @@ def estimate_preset(preset: Preset, context: int = DEFAULT_CONTEXT) -> MemoryEst
     kv = kv_cache_bytes(target, ctx, preset.target.dtype)
     draft_bytes = 0
     draft_spec = preset.draft_spec()
-    for method in preset.drafter_methods():  # "auto": each member's
+    for method in preset.drafter_set().members:  # "auto": each member's
         needs = drafter_spec(method).needs
         if draft_spec is not None and needs == "draft_model":
             draft = architecture(draft_spec.model)

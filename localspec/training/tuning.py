@@ -48,7 +48,7 @@ from localspec.config import CPU_QUANTIZATIONS, MAX_SPECULATIVE_TOKENS, Preset, 
 from localspec.errors import LocalSpecError, ModelLoadError, PresetError
 from localspec.models.loading import pick_device
 from localspec.models.packed_store import gguf_source
-from localspec.pipeline import Pipeline, check_method
+from localspec.pipeline import Pipeline
 from localspec.presets import preset_path, save_user_preset, user_preset_file
 from localspec.registry import AUTO, drafter_spec, method_names
 
@@ -104,7 +104,7 @@ def settings_of(preset: Preset) -> Settings:
     return Settings(preset.speculative_config.method,
                     preset.speculative_config.num_speculative_tokens,
                     preset.localspec.draft_confidence_threshold, preset.localspec.lookup_first,
-                    preset.localspec.tree_width, preset.drafter_methods(AUTO),
+                    preset.localspec.tree_width, preset.drafter_set(AUTO).members,
                     preset.speculative_config.quantization)
 
 
@@ -147,7 +147,7 @@ def runnable_methods(preset: Preset) -> list[str]:
     ok = []
     for method in method_names():
         try:
-            check_method(preset, method)
+            preset.drafter_set(method)
         except PresetError:
             continue
         ok.append(method)
