@@ -105,9 +105,9 @@ def chats_path() -> Path:
 # (``LOCALSPEC_MODELS`` moves it); paths added by hand and user presets: the data folder.
 MODELS_ENV = "LOCALSPEC_MODELS"
 DOWNLOAD_FREE_MARGIN = 256 * 2**20  # free disk a download leaves besides its files
-GGUF_META_FOLDER = "meta"  # under cache_root(): a GGUF's config and tokenizer (gguf_pack)
+GGUF_META_FOLDER = "meta"  # under cache_root(): a GGUF's config and tokenizer (gguf_meta)
 # What the fast native CPU path serves: the architectures its forward runs (runtime.decoder)
-# and the GGUF matrix types w4a8 keeps as stored (models.gguf_kquants).
+# and the GGUF matrix types w4a8 keeps as stored (runtime.gguf_kquants).
 NATIVE_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
 NATIVE_GGUF_TYPES: tuple[str, ...] = ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0")
 

@@ -12,9 +12,10 @@ from model_files import fake_builtin
 
 from localspec.config import ModelSpec
 from localspec.errors import ModelLoadError
-from localspec.models import cache, drafter_finder, gguf_header, library, packed_store
-from localspec.models.gguf_header import read_gguf_header, read_gguf_header_parts
+from localspec.models import cache, drafter_finder, library, packed_store
 from localspec.models.loading import load_model
+from localspec.runtime import gguf_header
+from localspec.runtime.gguf_header import read_gguf_header, read_gguf_header_parts
 
 
 @pytest.fixture(autouse=True)
@@ -36,7 +37,7 @@ def test_assembled_gguf_is_released_once_packed_and_never_assembled_again(
 
     monkeypatch.setattr(cache, "assemble_builtin", refuse)
     monkeypatch.setattr(packed_store, "assemble_builtin", refuse)
-    monkeypatch.setattr("localspec.models.gguf_pack.assemble_builtin", refuse)
+    monkeypatch.setattr("localspec.models.gguf_meta.assemble_builtin", refuse)
     again = load_model(spec)
     ids = [3, 7, 11, 5]
     assert first.runner().forward(ids).equal(again.runner().forward(ids))

@@ -1,4 +1,4 @@
-"""Packs made straight from a GGUF file (``models.gguf_pack``) against packs made the other way,
+"""Packs made straight from a GGUF file (``runtime.gguf_pack``) against packs made the other way,
 from the model transformers converts the same file into (``export_weights`` over its weights,
 the file's Q4_K and Q6_K matrices kept where they are exactly those weights).
 
@@ -23,19 +23,20 @@ from transformers import AutoModelForCausalLM
 
 from localspec.config import ModelSpec
 from localspec.errors import ModelLoadError
-from localspec.models import gguf_pack
+from localspec.models import gguf_meta
 from localspec.models.builtin import BUILTIN_MODELS
 from localspec.models.cache import assemble_builtin, convert_gguf
-from localspec.models.gguf_kquants import read_kquant_matrices
 from localspec.models.loading import load_model
+from localspec.runtime import gguf_pack
+from localspec.runtime.gguf_kquants import read_kquant_matrices
 from localspec.runtime.weight_formats import export_weights
 
 
 def pack_from_gguf(gguf: Path, kind: str, dtype: torch.dtype, tmp: Path
                    ) -> tuple[dict[str, torch.Tensor], gguf_pack.FileMatrices]:
     """The pack as a first start makes it now: a skeleton filled from the file."""
-    meta = gguf_pack.write_meta(gguf, tmp / "meta")
-    model = gguf_pack.skeleton(meta, dtype)
+    meta = gguf_meta.write_meta(gguf, tmp / "meta")
+    model = gguf_meta.skeleton(meta, dtype)
     assert model is not None
     stored = gguf_pack.fill_from_gguf(model, gguf, kind)
     return export_weights(model, kind, stored), stored
@@ -96,7 +97,7 @@ def test_a_gguf_model_served_on_the_cpu_is_never_converted(tmp_path: Path,
     spec = ModelSpec(str(gguf), dtype="float32", quantization="w8a8")
     first = load_model(spec)
     again = load_model(spec)
-    assert first.folder == again.folder and first.folder.parent.name == gguf_pack.META_FOLDER
+    assert first.folder == again.folder and first.folder.parent.name == gguf_meta.META_FOLDER
     assert not (tmp_path / "cache" / "converted").exists()
     assert not list((tmp_path / "cache").rglob("model.safetensors"))
     ids = torch.tensor([3, 7, 11, 5])

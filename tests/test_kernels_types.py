@@ -31,8 +31,8 @@ from kernel_helpers import (
 from transformers import AutoModelForCausalLM
 
 from localspec.config import NATIVE_GGUF_TYPES
-from localspec.models.gguf_kquants import PARSERS
 from localspec.runtime.decoder import CpuDecoder
+from localspec.runtime.gguf_kquants import PARSERS
 from localspec.runtime.kernels import (
     Q3MWeights,
     Q4_0Weights,

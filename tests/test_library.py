@@ -19,10 +19,10 @@ from library_files import write_gguf
 from localspec.config import NATIVE_ARCHITECTURES, NATIVE_GGUF_TYPES
 from localspec.errors import ModelLoadError
 from localspec.models.describe import describe, native_reason
-from localspec.models.gguf_header import read_gguf_header
-from localspec.models.gguf_kquants import read_kquant_matrices
 from localspec.models.library import library_path, list_library
 from localspec.runtime.decoder import CPU_MODEL_TYPES
+from localspec.runtime.gguf_header import read_gguf_header
+from localspec.runtime.gguf_kquants import read_kquant_matrices
 
 
 @pytest.fixture(autouse=True)

@@ -20,10 +20,10 @@ from localspec.config import ModelSpec
 from localspec.drafters.draft_model import DraftModelDrafter
 from localspec.engine.engine import GenerationRequest, SpeculativeEngine
 from localspec.models import packed_store
-from localspec.models.gguf_kquants import hf_module_name, read_kquant_matrices
 from localspec.models.loading import load_model
 from localspec.runtime import weight_formats
 from localspec.runtime.decoder import CpuDecoder
+from localspec.runtime.gguf_kquants import hf_module_name, read_kquant_matrices
 from localspec.runtime.kernels import (
     KernelUnavailable,
     KQuantWeights,

@@ -11,7 +11,7 @@ config, tokenizer and state dict ourselves.
 
 Layout under ``cache_root()`` (``LOCALSPEC_CACHE`` moves it):
   gguf/<file>.gguf (+ .manifest.json)    assembled built-in checkpoints
-  meta/<name or stem-key>[.<dtype>]/     config and tokenizer of a GGUF model (``gguf_pack``)
+  meta/<name or stem-key>[.<dtype>]/     config and tokenizer of a GGUF model (``gguf_meta``)
   models/<built-in name>/                converted built-in models (manifest inside)
   converted/<stem>-<key>/                converted user .gguf files (manifest inside)
   w8a8/, w4a8/, requant-q4k/<folder>-<key>/  the CPU forward's packed weights (``packed_store``)
@@ -43,7 +43,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from localspec.config import cache_root
 from localspec.errors import ModelLoadError
 from localspec.models.builtin import BuiltinModel
-from localspec.models.gguf_header import GGUFHeader, read_gguf_header, read_gguf_header_parts
 from localspec.models.integrity import (
     MANIFEST_NAME,
     remove_stale_temps,
@@ -52,6 +51,7 @@ from localspec.models.integrity import (
     write_manifest,
     writer_tag,
 )
+from localspec.runtime.gguf_header import GGUFHeader, read_gguf_header, read_gguf_header_parts
 
 logger = logging.getLogger(__name__)
 

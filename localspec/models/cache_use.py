@@ -2,7 +2,7 @@
 
 Everything under ``cache_root()`` is made from a model's own files and is made again when it
 is missing: an assembled built-in GGUF (from its packages), float conversions, the small
-config-and-tokenizer folders of GGUF models (``gguf_pack``) and the CPU forward's packs
+config-and-tokenizer folders of GGUF models (``gguf_meta``) and the CPU forward's packs
 (``packed_store``). Each is found by the name it is kept under: a built-in model's name, a
 user's .gguf file's ``gguf_cache_name`` (its stem and a key of its path, size and modification
 time), or, for a model folder, the pack folders its path keys (``store_dir``). Freeing deletes
@@ -20,7 +20,7 @@ from pathlib import Path
 from localspec.config import CPU_QUANTIZATIONS, cache_root
 from localspec.models.builtin import BUILTIN_MODELS
 from localspec.models.cache import builtin_gguf_path, gguf_cache_name
-from localspec.models.gguf_pack import META_FOLDER
+from localspec.models.gguf_meta import META_FOLDER
 from localspec.models.packed_store import store_dir
 
 STORED_DTYPES = ("float32", "bfloat16", "float16")  # a folder per dtype (``cache.stored_as``)

@@ -9,7 +9,7 @@ cannot load), so that nothing is added to the library that would fail at its fir
 
 The native path is decided by ``native_reason`` alone, from the names the loader itself uses:
 ``config.NATIVE_ARCHITECTURES`` (which ``runtime.decoder`` runs) and ``config.NATIVE_GGUF_TYPES``
-(the matrix types ``w4a8`` keeps as stored), over the layer matrices ``gguf_kquants`` maps.
+(the matrix types ``w4a8`` keeps as stored), over the layer matrices ``runtime.gguf_kquants`` maps.
 A draft head (EAGLE, EAGLE-3, Medusa) is a folder too; it is told apart by its config and
 described as a head for its target.
 """
@@ -26,8 +26,8 @@ from pathlib import Path
 from localspec.config import NATIVE_ARCHITECTURES, NATIVE_GGUF_TYPES
 from localspec.errors import InputFileError, ModelLoadError
 from localspec.files import parse_json, read_user_text
-from localspec.models.gguf_header import GGUFHeader, read_gguf_header
-from localspec.models.gguf_kquants import hf_module_name
+from localspec.runtime.gguf_header import GGUFHeader, read_gguf_header
+from localspec.runtime.gguf_kquants import hf_module_name
 
 MAX_CONFIG_BYTES = 2**20  # a config.json is a few dozen settings
 MAX_SAFETENSORS_HEADER = 100 * 2**20  # what the safetensors format itself allows

@@ -29,7 +29,6 @@ from localspec.config import BUILTIN_HEADS, NATIVE_ARCHITECTURES, parse_preset
 from localspec.errors import LocalSpecError, ModelLoadError
 from localspec.models.builtin import BUILTIN_MODELS
 from localspec.models.cache import builtin_gguf_path, builtin_header
-from localspec.models.gguf_header import read_gguf_header
 from localspec.models.hardware import (
     Hardware,
     HardwareError,
@@ -42,6 +41,7 @@ from localspec.models.hardware import (
 )
 from localspec.models.library import LibraryEntry, find_entry, list_library
 from localspec.presets import builtin_head_folder, save_user_preset
+from localspec.runtime.gguf_header import read_gguf_header
 
 _ADDED = (2, 3, 4)  # gguf.TokenType: UNKNOWN, CONTROL, USER_DEFINED
 

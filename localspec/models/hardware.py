@@ -200,7 +200,7 @@ def _config_on_disk(model: str) -> Path | None:
 def architecture(model: str) -> Architecture:
     """The architecture of a model named as presets name models."""
     if model.lower().endswith(".gguf") and Path(model).expanduser().is_file():
-        from localspec.models.gguf_header import gguf_config, read_gguf_header
+        from localspec.runtime.gguf_header import gguf_config, read_gguf_header
 
         try:
             return Architecture.from_config(gguf_config(read_gguf_header(Path(model).expanduser())))

@@ -41,8 +41,7 @@ from localspec.models.cache import (
     verify_manifest,
     weights_intact,
 )
-from localspec.models.gguf_kquants import read_kquant_matrices, unserved_message
-from localspec.models.gguf_pack import gguf_meta, skeleton
+from localspec.models.gguf_meta import gguf_meta, skeleton
 from localspec.models.packed_store import (
     cpu_decoder,
     cpu_format,
@@ -51,6 +50,7 @@ from localspec.models.packed_store import (
     stored_decoder,
 )
 from localspec.runtime.decoder import CpuDecoder, unsupported_reason
+from localspec.runtime.gguf_kquants import read_kquant_matrices, unserved_message
 from localspec.runtime.quant import quantize_int8_weight_only
 from localspec.runtime.runner import ModelRunner
 

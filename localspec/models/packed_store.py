@@ -5,7 +5,7 @@ of float temporaries through memory; reading its int8 tensors back takes a secon
 ``w8a8`` (or ``w4a8``) load of a model saves what the CPU forward holds (int8 rows and
 scales, packed Q4_K and Q6_K blocks, norms, the embedding) in ``<cache>/<kind>/<folder>-<key>/``,
 keyed by the source folder's path and the size and modification time of its weight files (for
-a GGUF model, its config-and-tokenizer folder: ``gguf_pack`` makes the pack from the file),
+a GGUF model, its config-and-tokenizer folder: ``runtime.gguf_pack`` makes the pack from the file),
 and every later start reads that instead; the
 transformers model's own weights are then never touched. Tensors are read one at a time and
 packed for oneDNN as they come (plain reads, no memory map), so memory holds the packed copy,
@@ -54,8 +54,6 @@ from localspec.models.cache import (
     kernel_dir,
     release_assembled,
 )
-from localspec.models.gguf_kquants import unserved_message
-from localspec.models.gguf_pack import fill_from_gguf
 from localspec.models.integrity import (
     MANIFEST_NAME,
     remove_stale_temps,
@@ -64,6 +62,8 @@ from localspec.models.integrity import (
     writer_tag,
 )
 from localspec.runtime.decoder import CpuDecoder
+from localspec.runtime.gguf_kquants import unserved_message
+from localspec.runtime.gguf_pack import fill_from_gguf
 from localspec.runtime.kernels import KernelUnavailable, KQuantWeights, serving_kernels
 from localspec.runtime.weight_formats import export_weights
 

@@ -35,7 +35,7 @@ import torch
 from torch.nn import functional as F
 from transformers import PreTrainedModel
 
-from localspec.config import NATIVE_ARCHITECTURES
+from localspec.config import CPU_QUANTIZATIONS, NATIVE_ARCHITECTURES
 from localspec.runtime.kernels.row_attention import RowAttention
 from localspec.runtime.native import NativeStack
 from localspec.runtime.quant import W8A8Linear
@@ -51,11 +51,9 @@ from localspec.runtime.weight_formats import (
 
 CPU_MODEL_TYPES = NATIVE_ARCHITECTURES  # config: what the model library calls native too
 CACHE_BLOCK = 256  # the KV cache grows in blocks of this many positions
-# Up to this many new tokens, each query row attends in a call of its own over exactly the keys
-# it may see. A masked batch would sum over a longer, zero-padded row, and float sums of another
-# length round differently: a verify pass must compute each token bit for bit as the one-token
-# step of plain decoding does (measured: 2 of 6 real prompts diverged at a near-tie without it).
-LINEAR_KINDS = ("w8a8", "w4a8", "requant-q4k", "requant-q3m", "dense")
+# What CpuDecoder's ``linear`` takes: the quantizations config serves on the CPU, and "dense"
+# (the loaded dtype, for tests and references).
+LINEAR_KINDS = (*CPU_QUANTIZATIONS, "dense")
 
 
 def unsupported_reason(model: PreTrainedModel) -> str | None:

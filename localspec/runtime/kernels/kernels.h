@@ -4,7 +4,7 @@
  *   kquant_matmul.c  products over GGUF Q4_K, Q5_K, Q6_K, Q8_0 and Q4_0 weights and LocalSpec's
  *                    own 3-bit Q3_M (activations quantized to int8 here); the
  *                    per-instruction-set inner loops are
- *                    kquant_<variant>.h
+ *                    kquant_<variant>.h, and what those share kquant_common.h
  *   attention.c      attention of new query rows over a bf16 KV cache (attend_rows, attend_tree)
  *   decoder_stack.c  the whole decoder stack of a Llama-family model in one call
  *   abi.c            what the loader checks before any use: ABI version, struct layouts

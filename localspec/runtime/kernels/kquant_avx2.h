@@ -2,8 +2,11 @@
  * made with VPMADDUBSW (u8 x s8 pairs, at most 2 * 63 * 127: no saturation) and VPMADDWD,
  * and the same float operations on each lane as kquant_portable.h. A 16-row block is taken in
  * two halves of 8 rows (bytes 0..31 and 32..63 of each 64-byte load). Included by
- * kquant_matmul.c only (it defines group_inverse and PREFETCH first). */
+ * kquant_matmul.c only. */
 #include <immintrin.h>
+#include <string.h>
+
+#include "kquant_common.h"
 
 #define ROWS_PER_PASS 4
 

@@ -1,7 +1,10 @@
 /* The AVX-512 VNNI inner loops of kquant_matmul.c: each group's products are exact int32 sums
  * (VPDPBUSD: u8 weights times s8 inputs), scaled per lane exactly as kquant_portable.h does.
- * Included by kquant_matmul.c only (it defines group_inverse and PREFETCH first). */
+ * Included by kquant_matmul.c only. */
 #include <immintrin.h>
+#include <string.h>
+
+#include "kquant_common.h"
 
 #define ROWS_PER_PASS 8
 

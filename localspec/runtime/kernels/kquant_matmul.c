@@ -9,21 +9,15 @@
  *
  * The inner loops come in one header per variant (kquant_avx512.h, kquant_avx2.h,
  * kquant_portable.h), all with the same float operations on each output lane: the variants
- * give the same bits. This file is what they share: quantizing the activations, splitting
- * the output blocks between threads, the exported functions.
+ * give the same bits (the helpers they all use are in kquant_common.h). This file is what
+ * calls them: quantizing the activations, splitting the output blocks between threads, the
+ * exported functions.
  */
 #include <stdlib.h>
 #include <string.h>
 
 #include "kernels.h"
-
-#ifndef PREFETCH
-#define PREFETCH 8  /* groups ahead */
-#endif
-
-/* 127 / amax: what a group's inputs are multiplied by before rounding (0 for an all-zero or
- * all-NaN group, whose inputs all become 0 or -127). */
-ALWAYS_INLINE float group_inverse(float amax) { return amax > 0.0f ? 127.0f / amax : 0.0f; }
+#include "kquant_common.h"
 
 #if defined(KERNELS_AVX512)
 #include "kquant_avx512.h"

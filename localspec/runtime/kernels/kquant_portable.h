@@ -3,9 +3,10 @@
  * are exact in any order (here: each group's weights unpacked to int16 in input order, then
  * dot products a compiler vectorizes); each float operation is the one the SIMD lanes do, in
  * the same order, fused only where they fuse (fma32, vec16.h). Included by kquant_matmul.c
- * only (it defines group_inverse first). */
+ * only. */
 #include <math.h>
 
+#include "kquant_common.h"
 #include "vec16.h"
 
 #define ROWS_PER_PASS 4

@@ -7,7 +7,7 @@ weight and computes with exactly the weights the file holds. Only Llama-family n
 others (Q5_0, Q4_1, IQ4_XS, ...) stay with the int8 path, which ``unserved_types`` names.
 
 Whether a matrix really is the loaded model's weight is checked by the caller
-(``localspec.runtime.decoder.export_weights`` compares it with the dequantized copy); a
+(``localspec.runtime.weight_formats.export_weights`` compares it with the dequantized copy); a
 mismatch (a layout this mapping does not know, such as llama's permuted q/k rows) falls back to
 int8 for that matrix, never to a different model.
 """

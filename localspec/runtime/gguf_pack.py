@@ -1,11 +1,8 @@
 """The CPU forward's weights made straight from a GGUF file: no float copy of the model on disk.
 
-A GGUF model served by the CPU forward (w8a8, w4a8, requant-q4k) needs, besides its pack
-(``packed_store``), only its config and tokenizer. Those come from the file's metadata
-(transformers reads them without touching a tensor) and are kept in a small folder,
-``<cache>/meta/<model>[.<dtype>]/`` with its manifest; the pack is keyed by that folder as by
-any other. The pack is made from a skeleton (the model's modules on the meta device,
-``skeleton``) whose weights are filled from the file one tensor at a time:
+A GGUF model's pack (``models.packed_store``) is made from a skeleton (the model's modules on
+the meta device, ``models.gguf_meta.skeleton``) whose weights are filled from the file one
+tensor at a time (``fill_from_gguf``):
 
 - the matrices the pack keeps as the file stores them (w4a8: every type with a native kernel,
   ``NATIVE_GGUF_TYPES``) are not dequantized at all:
@@ -18,8 +15,9 @@ any other. The pack is made from a skeleton (the model's modules on the meta dev
   model loaded by transformers from the same file holds, so the pack is bit for bit the one
   made from a converted model (tests/test_gguf_pack.py checks both built-in families).
 
-What is deliberately not here: the float conversion (``cache.convert_gguf``), which the paths
-that read float weights (quantization "none", int8-weight-only, bitsandbytes) still make.
+What is deliberately not here: where packs and the config-and-tokenizer folder live (the cache,
+``models``), and the float conversion (``models.cache.convert_gguf``), which the paths that read
+float weights (quantization "none", int8-weight-only, bitsandbytes) still make.
 """
 
 from __future__ import annotations
@@ -33,40 +31,20 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import nn
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    GenerationConfig,
-    PreTrainedModel,
-)
+from transformers import PreTrainedModel
 
-from localspec.config import GGUF_META_FOLDER, NATIVE_GGUF_TYPES, cache_root
-from localspec.errors import ModelLoadError
-from localspec.models.builtin import BUILTIN_MODELS
-from localspec.models.cache import (
-    GGUF_READ_ERRORS,
-    Progress,
-    assemble_builtin,
-    cached_dir_ok,
-    gguf_cache_name,
-    gguf_read_error,
-    stored_as,
-    write_folder,
-)
-from localspec.models.gguf_header import TensorInfo, read_gguf_header
-from localspec.models.gguf_kquants import (
+from localspec.config import NATIVE_GGUF_TYPES
+from localspec.runtime.gguf_header import TensorInfo, read_gguf_header
+from localspec.runtime.gguf_kquants import (
     FLOAT_TYPES,
     PARSERS,
     hf_module_name,
     unserved_message,
 )
 from localspec.runtime.kernels import KQuantWeights
-from localspec.runtime.weight_formats import release_weights
 
 logger = logging.getLogger(__name__)
 
-META_FOLDER = GGUF_META_FOLDER  # under cache_root(): config and tokenizer, no weights
 # The GGUF types each kind keeps as stored (export_weights): w4a8 the layer matrices of every
 # type with a native kernel and a Q6_K head; requant-q4k the Q4_K matrices (it quantizes the
 # others to Q4_K, from floats); requant-q3m none (it quantizes every matrix to Q3_M).
@@ -74,88 +52,6 @@ _KEPT = {"w4a8": NATIVE_GGUF_TYPES, "requant-q4k": ("Q4_K",), "requant-q3m": ()}
 _KEPT_HEAD = {"w4a8": ("Q6_K",)}
 _VOCABULARY_TENSORS = ("token_embd.weight", "output.weight")  # dequantized _ROWS at a time
 _ROWS = 16384
-
-
-# ----------------------------------------------------------------------------- config, tokenizer
-
-
-def gguf_file(model: str, progress: Progress) -> Path | None:
-    """The GGUF file of a model name (a built-in one assembled, checked by its fingerprint),
-    else None."""
-    if model in BUILTIN_MODELS:
-        return assemble_builtin(BUILTIN_MODELS[model], progress)
-    path = Path(model).expanduser()
-    if path.suffix != ".gguf":
-        return None
-    if not path.is_file():
-        raise ModelLoadError(f"GGUF file not found: {path}")
-    return path
-
-
-def meta_dir(model: str, gguf: Path | None, dtype: str) -> Path:
-    """Where the config and tokenizer of ``model`` (its file ``gguf``; None for a built-in, named
-    by its model name) are kept; one per dtype, as the packs keyed by it differ by dtype."""
-    name = model if model in BUILTIN_MODELS or gguf is None else gguf_cache_name(gguf)
-    return stored_as(cache_root() / META_FOLDER / name, dtype)
-
-
-def write_meta(gguf: Path, out_dir: Path) -> Path:
-    """The config, generation config and tokenizer of ``gguf`` in ``out_dir`` (with a manifest),
-    read from the file's metadata: no tensor is read."""
-    folder, name = str(gguf.parent), gguf.name
-    try:
-        config = AutoConfig.from_pretrained(folder, gguf_file=name)
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    except GGUF_READ_ERRORS as exc:
-        raise gguf_read_error(gguf, exc) from exc
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-
-    def fill(tmp: Path) -> None:
-        config.save_pretrained(tmp)
-        GenerationConfig.from_model_config(config).save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-
-    return write_folder(out_dir, fill)
-
-
-def gguf_meta(model: str, progress: Progress, dtype: str) -> Path | None:
-    """The config-and-tokenizer folder of a GGUF model, written on first use and whenever it
-    fails its check; None for a model that is not a GGUF file. A built-in's sound folder is
-    taken without its GGUF: that is assembled only to write the folder or a pack."""
-    builtin = model in BUILTIN_MODELS
-    if builtin and cached_dir_ok(meta_dir(model, None, dtype), progress):
-        return meta_dir(model, None, dtype)
-    gguf = gguf_file(model, progress)
-    if gguf is None:
-        return None
-    out_dir = meta_dir(model, gguf, dtype)
-    if builtin or not cached_dir_ok(out_dir, progress):
-        write_meta(gguf, out_dir)
-    return out_dir
-
-
-def skeleton(folder: Path, dtype: torch.dtype) -> PreTrainedModel | None:
-    """The model's module tree with empty weights (its config, rotary tables and generation
-    settings are real), for a forward whose weights come from elsewhere; None when the model
-    holds state the CPU forward would miss (a buffer other than the rotary tables)."""
-    config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
-    backbone = model.base_model
-    rotary = getattr(backbone, "rotary_emb", None)
-    if rotary is None:
-        return None
-    backbone.rotary_emb = type(rotary)(config=config)  # its tables computed on the CPU
-    if any(buffer.is_meta for buffer in model.buffers()):
-        return None
-    release_weights(model)
-    if (folder / "generation_config.json").is_file():
-        model.generation_config = GenerationConfig.from_pretrained(folder)
-    return model.eval()
-
-
-# ----------------------------------------------------------------------------- weights
 
 
 class FileMatrices(Mapping[str, KQuantWeights]):
