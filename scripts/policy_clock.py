@@ -49,7 +49,7 @@ from localspec.training.prompts import encode_prompts, load_prompts
 
 # ms: a target pass of one row, each of rows 2-5, each past 5, the engine's own time a pass, a
 # draft token, each further row of a draft feed, a target prefill row (this EPYC VM,
-# docs/benchmarks.md)
+# docs/research-log.md)
 COSTS = {"t1": 30.0, "row": 3.5, "row_wide": 5.5, "pass": 1.0, "draft": 10.4,
          "draft_row": 1.9, "prefill_row": 6.3}
 HELDOUT = Path(__file__).resolve().parent.parent / "localspec" / "data" / "heldout"

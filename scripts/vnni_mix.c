@@ -1,5 +1,5 @@
 /* One core's VPDPBUSD throughput, alone and in the instruction mixes of the native kernels'
- * wide rows (docs/benchmarks.md, "What bounds the last goals"): how far a pass over many rows,
+ * wide rows (docs/research-log.md, "What bounds the last goals"): how far a pass over many rows,
  * bound by arithmetic, is from the VNNI peak, and which of its operations hold it there.
  *
  *   gcc -O2 -mavx512f -mavx512vnni scripts/vnni_mix.c -o /tmp/vnni_mix && /tmp/vnni_mix

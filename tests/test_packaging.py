@@ -21,12 +21,13 @@ MAX_MODULE_LINES = 400
 LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"errors"}),  # the torch-free base: errors, names and limits, user files
     frozenset({"registry"}),
+    frozenset({"drafter_set"}),  # a method resolved into its drafters' names
     frozenset({"config"}),
     frozenset({"files"}),
     frozenset({"presets", "chats"}),  # preset files; the saved conversations (SQLite)
     frozenset({"runtime", "sampling"}),  # forwards, kernels; pure sampling functions
+    frozenset({"engine"}),  # the draft/verify loop, its policy and the drafter contract
     frozenset({"models", "drafters"}),  # loading and caches; each drafter
-    frozenset({"engine"}),  # the draft/verify loop over a drafter
     frozenset({"pipeline"}),  # a preset's models and engines
     frozenset({"training", "host"}),  # heads trained over a pipeline; the one served
     frozenset({"api"}),  # the OpenAI-compatible routes over the host
@@ -140,9 +141,10 @@ def test_imports_point_down() -> None:
 
 
 def test_layer_check_would_catch_an_upward_import() -> None:
-    """The check above is not vacuous: an engine module importing a drafter is on the floor
-    below, a drafter importing the engine is caught."""
-    assert _floor("localspec.drafters.base") < _floor("localspec.engine.engine")
+    """The check above is not vacuous: a drafter importing the contract from the engine is on
+    the floor above it, an engine module importing a drafter is caught."""
+    assert _floor("localspec.engine.drafter") < _floor("localspec.drafters.base")
+    assert _floor("localspec.drafter_set") < _floor("localspec.config")
     assert _floor("localspec.sampling") < _floor("localspec.drafters.ngram")
     assert _floor("localspec.pipeline") < _floor("localspec.training.answers")
     assert _floor("localspec.training.corpus") < _floor("localspec.cli.tune")

@@ -86,7 +86,7 @@ class DraftChain:
     proposed (its pass is paid; verifying it costs one row), but no further pass is run.
     Stopping on each guess's own chance would pay a pass for a guess it then drops and let a
     chain of even chances grow long; the chain's chance does better on the virtual clock of
-    ``scripts/policy_clock.py`` and over the draft's teacher-forced guesses (docs/benchmarks.md).
+    ``scripts/policy_clock.py`` and over the draft's teacher-forced guesses (docs/research-log.md).
     Where to stop depends on q and on verdicts already given, never on this step's target,
     so the output is exact whatever the chain's length.
 

@@ -24,7 +24,7 @@ from localspec.sampling import SamplingParams
 SINGLE_TOKEN_MATCH_DRAFTS = 3
 # A match this long is a copy under way (``NgramDrafter.sure``'s second grade): on the bench
 # prompts' answers, a match of 4-9 tokens was followed by a kept guess 71-79% of the time, one
-# of 10 or more 98% (docs/benchmarks.md).
+# of 10 or more 98% (docs/research-log.md).
 LONG_MATCH = 8
 
 

@@ -13,7 +13,7 @@ when long drafts pay. We estimate
     kept over earlier requests where its ``Calibration`` has judged enough of them (weighing
     LEARNT_PRIOR_WEIGHT steps), else 0.7 (weighing 2). A chat reply's first guesses are its
     least predictable; with the weak prior alone one early miss kept a draft model resting
-    through replies where it would have been kept two times in three (docs/benchmarks.md);
+    through replies where it would have been kept two times in three (docs/research-log.md);
   * c_draft from measured draft time per drafted token;
   * c_verify(n) = a + b * n from measured verify times, by least squares with forgetting (one
     line through all widths: a price per width measured alone drafts more on chat, where

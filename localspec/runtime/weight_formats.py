@@ -298,7 +298,7 @@ def cut_linear(rows_of: Callable[[torch.Tensor], torch.Tensor], ids: torch.Tenso
     at the 0.5B's 64k-row cut (2-core EPYC, one row called in a loop) oneDNN's int8 took
     2.49 ms, the native Q8_0 kernel 1.09 ms and Q4_0 0.63 ms, while the draft's next-token
     agreement with the 1.5B target (3,890 positions of its answers) went from 79.28% to 79.13%;
-    end to end, draft_model decoded 11% faster and auto 7% (docs/benchmarks.md). The rows are
+    end to end, draft_model decoded 11% faster and auto 7% (docs/research-log.md). The rows are
     padded to whole 16-row blocks with copies of the last one, whose outputs are dropped. A
     width the kernels cannot take stays int8."""
     if rows_of(ids[:1]).shape[1] % GROUP:

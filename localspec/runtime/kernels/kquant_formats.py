@@ -191,7 +191,7 @@ def quantize_q3m(weight: torch.Tensor, rows_at_a_time: int = 4096) -> Q3MWeights
     ``make_qkx2_quants``), keeping the fit of least weighted error. Scales and lows are then
     8-bit multiples of a per-256 ``d`` and ``dmin``, as Q4_K's are 6-bit ones. On random
     matrices with outliers the relative error is 0.18 against the span's 0.21; what it does
-    to the 0.5B draft's guesses is in docs/benchmarks.md ("A 3-bit draft")."""
+    to the 0.5B draft's guesses is in docs/research-log.md ("A 3-bit draft")."""
     n, k = weight.shape
     if k % GROUP:
         raise ValueError(f"Q3_M needs a width divisible by {GROUP}, got {k}")
