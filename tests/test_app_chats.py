@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from app_helpers import HISTORY, ended, failing_stream, scripted_stream, settings
 
+from localspec.chats.answers import CHAT_SAVE_EVERY_TOKENS
 from localspec.chats.store import ChatStore
-from localspec.config import CHAT_SAVE_EVERY_TOKENS
 from localspec.errors import ChatStoreError
 from localspec.ui.app import CHAT_OUTPUTS, ChatApp
 

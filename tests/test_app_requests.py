@@ -20,12 +20,11 @@ from localspec.config import (
     MAX_SPECULATIVE_TOKENS,
     MAX_TEMPERATURE,
     MAX_TOP_K,
-    SLIDER_MAX,
 )
 from localspec.host import ModelHost
 from localspec.models.hardware import detect_hardware
 from localspec.ui.app import CHAT_OUTPUTS, RACE_OUTPUTS, ChatApp
-from localspec.ui.layout import SLIDERS, build, setting_range
+from localspec.ui.layout import SLIDER_MAX, SLIDERS, build, setting_range
 
 pytestmark = pytest.mark.usefixtures("no_errors_logged")
 

@@ -21,7 +21,7 @@ from typing import Any
 import annotated_types
 import gradio as gr
 
-from localspec.config import SLIDER_MAX, RequestSettings
+from localspec.config import RequestSettings
 from localspec.registry import drafters
 from localspec.ui.chat_handlers import ChatHandlers
 from localspec.ui.chat_view import (
@@ -42,6 +42,8 @@ from localspec.ui.tuning_view import tune_here
 from localspec.ui.turns import Turns
 from localspec.ui.views import ChatView, RaceView, Settings, SwitchView, session_of
 
+# The span of the sliders: the useful range, inside the limits the config's schema sets.
+SLIDER_MAX = {"temperature": 2.0, "top_k": 200, "max_new_tokens": 8192}
 SLIDERS = {  # control -> (request setting, step, label)
     "temperature": ("temperature", 0.05, "temperature (0 = greedy)"),
     "top_p": ("top_p", 0.05, "top-p"),
@@ -59,7 +61,7 @@ def method_choices() -> list[tuple[str, str]]:
 
 def setting_range(name: str, step: float) -> tuple[float, float]:
     """(lowest, highest) value of request setting ``name`` that the config's schema accepts,
-    capped at the config's SLIDER_MAX (temperature 100 is valid but no use on a slider); an
+    capped at ``SLIDER_MAX`` (temperature 100 is valid but no use on a slider); an
     open lower bound (top-p > 0) starts one ``step`` above it."""
     low, high = 0.0, float("inf")
     for bound in RequestSettings.model_fields[name].metadata:
