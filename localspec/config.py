@@ -1,5 +1,7 @@
-"""LocalSpec's configuration: every name, limit and default, in one torch-free module (reading
-a preset costs milliseconds).
+"""LocalSpec's configuration: the names, limits and defaults that more than one part reads, in
+one torch-free module (reading a preset costs milliseconds). A constant only one subsystem
+reads lives beside it instead (the API's in ``api/``, the saved conversations' in ``chats/``,
+the sliders' span in ``ui/layout``, the command line's in ``cli/options``).
 
 What a preset or a request may say: dtypes, devices, quantizations, hardware classes, the
 bounds of every setting and their defaults; methods are checked against the drafter registry
@@ -68,10 +70,7 @@ Quantization = Annotated[QuantizationName, BeforeValidator(
 # every layer matrix in Q4_K / Q3_M (3 bits): lossy against the file, for drafts, which guess.
 CPU_QUANTIZATIONS: tuple[str, ...] = ("w8a8", "w4a8", "requant-q4k", "requant-q3m")
 HARDWARE: tuple[str, ...] = get_args(HardwareClass)
-HARDWARE_LABELS = {"cpu": "CPU", "gpu-8gb": "GPU 8 GB", "gpu-12gb": "GPU 12 GB",
-                   "gpu-16gb": "GPU 16 GB", "gpu-24gb": "GPU 24 GB", "h100-80gb": "H100 80 GB"}
 DEFAULT_PRESET = "cpu-qwen-coder-draft"
-ANSWER_SOURCES: tuple[str, ...] = ("corpus", "target")  # train-drafter's answers: given, own
 # Heads shipped in the package (localspec/data/heads/<name>/) by name, with their targets.
 BUILTIN_HEADS: dict[str, str] = {"qwen2.5-coder-1.5b-eagle3": "qwen2.5-coder-1.5b-instruct",
                                   "qwen2.5-coder-1.5b-medusa": "qwen2.5-coder-1.5b-instruct"}
@@ -86,7 +85,7 @@ def cache_root() -> Path:
 # The user's own data (saved conversations, added models, presets): not the cache, which a
 # user may delete to free space. ``LOCALSPEC_DATA`` moves it; else the platform's data folder.
 DATA_ENV = "LOCALSPEC_DATA"
-CHATS_FILE = "chats.db"  # SQLite, WAL mode (localspec/chats/)
+CHATS_FILE = "chats.db"  # SQLite, WAL mode (localspec/chats/: chats_path)
 
 
 def data_root() -> Path:
@@ -96,15 +95,9 @@ def data_root() -> Path:
     return Path(env).expanduser() if env else Path(user_data_dir("localspec", appauthor=False))
 
 
-def chats_path() -> Path:
-    """The saved conversations' database file."""
-    return data_root() / CHATS_FILE
-
-
 # The model library (models/library.py): the user's models folder, where Hub downloads land
 # (``LOCALSPEC_MODELS`` moves it); paths added by hand and user presets: the data folder.
 MODELS_ENV = "LOCALSPEC_MODELS"
-DOWNLOAD_FREE_MARGIN = 256 * 2**20  # free disk a download leaves besides its files
 GGUF_META_FOLDER = "meta"  # under cache_root(): a GGUF's config and tokenizer (gguf_meta)
 # What the fast native CPU path serves: the architectures its forward runs (runtime.decoder)
 # and the GGUF matrix types w4a8 keeps as stored (runtime.gguf_kquants).
@@ -128,34 +121,13 @@ MAX_NEW_TOKENS = 32768
 MAX_TEMPERATURE = 100.0
 MAX_TOP_K = 1_000_000
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits
-MAX_NUM_SAMPLES = 1000
-MAX_BENCH_REPEATS = 100
 # A file the user names (prompts, presets, texts, documents): bounds what /dev/zero makes us read
 MAX_USER_FILE_BYTES = 64 * 2**20
 # A training corpus (all its files): ~60M tokens, days of features on a CPU; bounds `--corpus /`
 MAX_CORPUS_BYTES = 4 * MAX_USER_FILE_BYTES
-# The span of the app's sliders: the useful range, inside the limits above.
-SLIDER_MAX = {"temperature": 2.0, "top_k": 200, "max_new_tokens": 8192}
-API_PORT = 8000  # the OpenAI-compatible API (``localspec serve``, and /v1 of the app)
 # Requests the API holds at once, waiting or generating: one more gets a 429, never a hang
 API_MAX_QUEUED = 16
-API_MAX_BODY_BYTES = 8 * 2**20  # a request body past this is answered 413
-API_MAX_STOP = 4  # stop strings per request, as OpenAI allows
-API_MAX_TEMPERATURE = 2.0  # OpenAI's range
-API_STREAM_INTERVAL_S = 0.05  # a stream's events go out together at most this often
-API_RETRY_AFTER_S = 5  # what a 429 or a 503 (models loading) asks a client to wait
 API_KEY_ENV = "LOCALSPEC_API_KEY"  # read when --api-key is not given
-# Saved conversations (localspec/chats/).
-MAX_CHAT_TITLE_CHARS = 200  # a title the user gives (rename, import)
-CHAT_TITLE_FROM_MESSAGE_CHARS = 60  # a new conversation's title: its first message, cut here
-# The most one message holds: far past an answer or a pasted file; bounds what an import stores
-MAX_CHAT_MESSAGE_CHARS = 4 * 2**20
-MAX_CHAT_MESSAGES = 100_000  # per conversation, in an import
-MAX_CHATS_LISTED = 500  # the newest conversations the side list and `chats list` show
-# A streaming answer is saved after this many new tokens or seconds, whichever first, and at its end
-CHAT_SAVE_EVERY_TOKENS, CHAT_SAVE_EVERY_S = 32, 0.5
-CHATS_BUSY_TIMEOUT_S = 10.0  # how long a write waits for another process's transaction
-CHATS_PURGE_AFTER_S = 7 * 24 * 3600  # a deleted conversation can be restored for a week
 
 SpecTokens = Annotated[int, Field(ge=1, le=MAX_SPECULATIVE_TOKENS)]
 TreeWidth = Annotated[int, Field(ge=1, le=MAX_TREE_WIDTH)]

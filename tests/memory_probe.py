@@ -103,7 +103,8 @@ def app(trim: Callable[[int], int], count: int, clear_every: int,
     host = ModelHost(audit=False)
     if not host.load(SMOL):
         raise SystemExit(f"could not load {SMOL}: {host.status().error}")
-    chat = ChatApp(host, detect_hardware(), SMOL, min_update_interval=0.0, stop_wait_s=0.0)
+    chat = ChatApp(host, detect_hardware(), SMOL, min_update_interval=0.0,
+                   stop_wait_s=0.0).chat
     runner = host.pipeline.target_runner()
     if not warm_row_counts(runner.decoder):
         raise SystemExit(f"{SMOL} has no int8 layers: this probe measures oneDNN's")
@@ -116,7 +117,7 @@ def app(trim: Callable[[int], int], count: int, clear_every: int,
         if i and i % clear_every == 0:
             history = chat.clear().history
         # the last view of the answer (the handler streams many; Gradio keeps the last)
-        (last,) = deque(chat.chat(f"Tell me about {TOPICS[i % len(TOPICS)]}.", history,
+        (last,) = deque(chat.send(f"Tell me about {TOPICS[i % len(TOPICS)]}.", history,
                                   settings), maxlen=1)
         history = last.history
         cache = runner.kv_cache

@@ -12,7 +12,8 @@ import httpx
 import pytest
 from api_helpers import serving
 
-from localspec.config import API_MAX_BODY_BYTES, API_RETRY_AFTER_S
+from localspec.api.errors import API_RETRY_AFTER_S
+from localspec.api.server import API_MAX_BODY_BYTES
 from localspec.host import ModelHost
 from localspec.pipeline import Pipeline
 

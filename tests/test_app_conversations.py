@@ -15,6 +15,7 @@ from app_helpers import ended, is_skip, settings
 
 from localspec.chats.store import ChatStore, Message
 from localspec.ui.app import CHAT_OUTPUTS, ChatApp
+from localspec.ui.chat_handlers import ChatHandlers
 from localspec.ui.conversations import Conversations
 from localspec.ui.layout import build
 from localspec.ui.views import PanelView
@@ -26,8 +27,8 @@ PANEL = PanelView._fields
 @pytest.fixture
 def panel(tiny: ChatApp, tmp_path: Path) -> Iterator[Conversations]:
     with ChatStore(tmp_path / "chats.db") as store:
-        tiny.store = store
-        yield Conversations(tiny)
+        tiny.chat.store = store
+        yield Conversations(tiny.chat)
 
 
 def split(outputs: tuple) -> tuple[dict[str, object], dict[str, object]]:
@@ -42,9 +43,9 @@ def choices(view: PanelView | dict) -> list[tuple[str, int]]:
 
 
 def two_conversations(panel: Conversations) -> tuple[int, int]:
-    app = panel.app
-    first = ended(app.chat("def add", [], settings(method="none")))["conversation"]
-    second = ended(app.chat("hello world", [], settings()))["conversation"]
+    chat = panel.chat
+    first = ended(chat.send("def add", [], settings(method="none")))["conversation"]
+    second = ended(chat.send("hello world", [], settings()))["conversation"]
     return first, second
 
 
@@ -72,7 +73,7 @@ def test_open_and_continue(panel: Conversations) -> None:
     assert chat["conversation"] == first and chat["spans"] == [] and is_skip(chat["message"])
     assert "Opened 'def add' (2 messages; answered with" in side["status"]
     assert side["title"] == "def add"
-    out = ended(panel.app.chat("more please", history, settings(), "s", first))
+    out = ended(panel.chat.send("more please", history, settings(), "s", first))
     assert out["conversation"] == first
     assert len(panel.store.get(first).messages) == 4
     assert [value for _, value in choices(panel.listing("", first))] == [first, second]
@@ -129,8 +130,7 @@ def test_import(panel: Conversations, tmp_path: Path) -> None:
     two_conversations(panel)
     exported = panel.export(None, "json", every=True).file
     with ChatStore(tmp_path / "other.db") as other:
-        elsewhere = Conversations(ChatApp(panel.app.host, panel.app.hardware,
-                                          panel.app.default_preset, store=other))
+        elsewhere = Conversations(ChatHandlers(panel.chat.turns, other))
         view = elsewhere.import_file(exported)
         assert "Imported 2 conversations from localspec-chats.json." in view.status
         assert [label.split(" · ")[0] for label, _ in choices(view)] == \
@@ -159,13 +159,13 @@ def test_a_damaged_database_is_said_on_the_page(tiny: ChatApp, tmp_path: Path) -
     path = tmp_path / "chats.db"
     path.write_bytes(b"definitely not SQLite" * 100)
     with ChatStore(path) as store:
-        tiny.store = store
-        status = Conversations(tiny).page().status
+        tiny.chat.store = store
+        status = Conversations(tiny.chat).page().status
     assert "could not be read; it was kept as" in status and "chats.db.damaged-" in status
 
 
 def test_no_store_says_why_and_the_panel_still_answers(tiny: ChatApp) -> None:
-    conversations = Conversations(tiny, "/x/chats.db: conversations cannot be saved: denied")
+    conversations = Conversations(tiny.chat, "/x/chats.db: conversations cannot be saved: denied")
     page = conversations.page()
     assert "⚠ Conversations are not being saved: /x/chats.db" in page.status
     assert page.chats.choices == []
@@ -176,8 +176,8 @@ def test_no_store_says_why_and_the_panel_still_answers(tiny: ChatApp) -> None:
     assert is_skip(chat["history"])
 
 
-def test_the_panel_is_on_the_page(panel: Conversations) -> None:
-    demo = build(panel.app, conversations=panel)
+def test_the_panel_is_on_the_page(tiny: ChatApp, panel: Conversations) -> None:
+    demo = build(tiny, conversations=panel)
     ids = {c.elem_id for c in demo.blocks.values()}
     assert {"ls-chats", "ls-chat-search", "ls-chat-new", "ls-chat-title", "ls-chat-rename",
             "ls-chat-delete", "ls-chat-undo", "ls-chat-export", "ls-chat-export-all",

@@ -20,12 +20,11 @@ from localspec.config import (
     MAX_SPECULATIVE_TOKENS,
     MAX_TEMPERATURE,
     MAX_TOP_K,
-    SLIDER_MAX,
 )
 from localspec.host import ModelHost
 from localspec.models.hardware import detect_hardware
 from localspec.ui.app import CHAT_OUTPUTS, RACE_OUTPUTS, ChatApp
-from localspec.ui.layout import SLIDERS, build, setting_range
+from localspec.ui.layout import SLIDER_MAX, SLIDERS, build, setting_range
 
 pytestmark = pytest.mark.usefixtures("no_errors_logged")
 
@@ -34,7 +33,7 @@ def test_scripted_stream_says_its_text(tiny: ChatApp) -> None:
     pipe = tiny.host.pipeline
     pipe.stream = scripted_stream(pipe, "def add(a, b):\n    return a + b\n")
     try:
-        out = final(list(tiny.chat("hello", [], settings())))
+        out = final(list(tiny.chat.send("hello", [], settings())))
     finally:
         del pipe.stream
     assert out["history"][-1] == {"role": "assistant",
@@ -56,7 +55,7 @@ def test_refused_settings_give_the_message_back(tiny: ChatApp, overrides: dict,
                                                 named: str) -> None:
     """A value the pipeline refuses: a notice naming it, the user's turn taken back, the text
     back in the box, no traceback (the autouse fixture checks the log)."""
-    outputs = list(tiny.chat("hello <b>there</b>", HISTORY, settings(**overrides)))
+    outputs = list(tiny.chat.send("hello <b>there</b>", HISTORY, settings(**overrides)))
     out = final(outputs)
     assert named in out["notice"] and "⚠" in out["notice"], out["notice"]
     assert out["history"] == HISTORY and out["message"] == "hello <b>there</b>"
@@ -69,7 +68,7 @@ def test_failure_mid_answer_keeps_the_partial_answer(tiny: ChatApp, expects_bug:
     pipe = tiny.host.pipeline
     pipe.stream = failing_stream(pipe, 3, RuntimeError("boom"))
     try:
-        outputs = list(tiny.chat("def add", HISTORY, settings(method="none")))
+        outputs = list(tiny.chat.send("def add", HISTORY, settings(method="none")))
     finally:
         del pipe.stream
     out = final(outputs)
@@ -91,7 +90,7 @@ def test_failure_before_any_token_gives_the_message_back(tiny: ChatApp,
     pipe = tiny.host.pipeline
     pipe.stream = failing_stream(pipe, 0, RuntimeError("boom"))
     try:
-        out = final(list(tiny.chat("hello", HISTORY, settings())))
+        out = final(list(tiny.chat.send("hello", HISTORY, settings())))
     finally:
         del pipe.stream
     assert out["history"] == HISTORY and out["message"] == "hello"
@@ -104,7 +103,7 @@ def test_expected_failure_mid_answer_is_shown_without_a_traceback(tiny: ChatApp)
     pipe = tiny.host.pipeline
     pipe.stream = failing_stream(pipe, 3, ModelLoadError("the model file went away"))
     try:
-        out = final(list(tiny.chat("def add", [], settings(method="none"))))
+        out = final(list(tiny.chat.send("def add", [], settings(method="none"))))
     finally:
         del pipe.stream
     assert "the model file went away" in out["notice"]
@@ -112,24 +111,24 @@ def test_expected_failure_mid_answer_is_shown_without_a_traceback(tiny: ChatApp)
 
 
 def test_regenerate_refused_brings_the_old_answer_back(tiny: ChatApp) -> None:
-    out = final(list(tiny.regenerate(HISTORY, settings(temperature=math.nan))))
+    out = final(list(tiny.chat.regenerate(HISTORY, settings(temperature=math.nan))))
     assert out["history"] == HISTORY and "temperature" in out["notice"]
     assert is_skip(out["message"])  # regenerate leaves the box alone
 
 
 def test_race_refusals(tiny: ChatApp) -> None:
-    out = final(list(tiny.race("def add", settings())), RACE_OUTPUTS)
+    out = final(list(tiny.race.run("def add", settings())), RACE_OUTPUTS)
     assert "identical: <b>yes</b>" in out["race"]  # greedy: the n-gram run matches plain
-    refused = final(list(tiny.race("def add", settings(seed=-1))), RACE_OUTPUTS)
+    refused = final(list(tiny.race.run("def add", settings(seed=-1))), RACE_OUTPUTS)
     assert "seed" in refused["notice"] and "⚠" in refused["notice"]
-    assert "Type a prompt" in final(list(tiny.race(" ", settings())), RACE_OUTPUTS)["notice"]
+    assert "Type a prompt" in final(list(tiny.race.run(" ", settings())), RACE_OUTPUTS)["notice"]
 
 
 def test_race_failure_mid_run_says_so(tiny: ChatApp, expects_bug: None) -> None:
     pipe = tiny.host.pipeline
     pipe.stream = failing_stream(pipe, 2, RuntimeError("boom"))
     try:
-        out = final(list(tiny.race("def add", settings())), RACE_OUTPUTS)
+        out = final(list(tiny.race.run("def add", settings())), RACE_OUTPUTS)
     finally:
         del pipe.stream
     assert "The generation failed" in out["notice"] and "identical" not in out["race"]
@@ -162,8 +161,8 @@ def test_no_model_loaded_says_so_and_keeps_the_message() -> None:
     assert not host.load("no-such-preset")
     app = ChatApp(host, detect_hardware(), "no-such-preset")
     assert isinstance(build(app), gr.Blocks)
-    assert "No model loaded" in app.status() and "unknown preset" in app.status()
-    out = final(list(app.chat("hello", [], settings())))
+    assert "No model loaded" in app.presets.status() and "unknown preset" in app.presets.status()
+    out = final(list(app.chat.send("hello", [], settings())))
     assert "No model is loaded" in out["notice"] and "unknown preset" in out["notice"]
     assert out["history"] == [] and out["message"] == "hello"
 

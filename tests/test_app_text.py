@@ -27,7 +27,7 @@ NOT_UNICODE = "hi \ud800 there \udcff"  # lone surrogates: what a browser can se
 def test_message_that_is_not_unicode_is_refused_and_shown_replaced(tiny: ChatApp) -> None:
     """The message comes back into the box with U+FFFD where it held lone surrogates, and a
     notice says so; nothing is sent to the model, and every view can be sent to the page."""
-    outputs = list(tiny.chat(NOT_UNICODE, HISTORY, settings()))
+    outputs = list(tiny.chat.send(NOT_UNICODE, HISTORY, settings()))
     sendable(outputs)
     out = final(outputs)
     assert out["message"] == "hi \ufffd there \ufffd"
@@ -40,21 +40,21 @@ def test_system_prompt_or_history_that_is_not_unicode_is_refused(tiny: ChatApp,
                                                                  where: str) -> None:
     history = [{"role": "user", "content": NOT_UNICODE}] if where == "history" else HISTORY
     system = NOT_UNICODE if where == "system" else ""
-    for outputs in (list(tiny.chat("hello", history, settings(system=system))),
-                    list(tiny.regenerate(history, settings(system=system)))):
+    for outputs in (list(tiny.chat.send("hello", history, settings(system=system))),
+                    list(tiny.chat.regenerate(history, settings(system=system)))):
         sendable(outputs)
         out = final(outputs)
         needle = "system prompt" if where == "system" else "conversation"
         assert needle in out["notice"] and "not valid Unicode" in out["notice"], out["notice"]
         assert is_skip(out["message"])  # the box keeps what the user typed
-    race = list(tiny.race(NOT_UNICODE, settings(system=system)))
+    race = list(tiny.race.run(NOT_UNICODE, settings(system=system)))
     sendable(race)
     assert "not valid Unicode" in final(race, RACE_OUTPUTS)["notice"]
 
 
 def test_preset_path_that_is_not_unicode_is_a_failed_switch(tiny: ChatApp) -> None:
     active = tiny.host.status().active
-    outputs = list(tiny.switch_preset("my\udcffpreset.toml"))
+    outputs = list(tiny.presets.switch("my\udcffpreset.toml"))
     sendable(outputs)
     assert "my\ufffdpreset.toml: no such file" in final(outputs, SWITCH_OUTPUTS)["status"]
     assert tiny.host.status().active == active

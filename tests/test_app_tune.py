@@ -30,7 +30,7 @@ def small(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_tune_shows_progress_then_adds_the_tuned_preset(tiny: ChatApp) -> None:
-    updates = list(tuning_view.tune_here(tiny, "s"))
+    updates = list(tuning_view.tune_here(tiny.turns, tiny.presets, "s"))
     key = tiny.host.status().active
     name = tuning.tuned_name(key)
     assert "Tuning" in updates[0][0]
@@ -47,7 +47,7 @@ def test_a_name_held_by_the_users_own_preset_is_refused(tiny: ChatApp) -> None:
     mine = user_presets_root() / f"{name}.toml"
     mine.parent.mkdir(parents=True)
     mine.write_text("# mine\n", encoding="utf-8")
-    text, dropdown = list(tuning_view.tune_here(tiny, "s"))[-1]
+    text, dropdown = list(tuning_view.tune_here(tiny.turns, tiny.presets, "s"))[-1]
     assert "already exists" in text and dropdown == {"__type__": "update"}
     assert mine.read_text(encoding="utf-8") == "# mine\n"
     assert not tiny.host.generation_lock.locked()
@@ -56,7 +56,7 @@ def test_a_name_held_by_the_users_own_preset_is_refused(tiny: ChatApp) -> None:
 def test_stop_tuning_saves_nothing(tiny: ChatApp) -> None:
     """Stop tuning (the session's "tune" flag) ends it before its next run: a notice says
     so, no preset is saved and a chat may run again."""
-    updates = tuning_view.tune_here(tiny, "s")
+    updates = tuning_view.tune_here(tiny.turns, tiny.presets, "s")
     assert "Tuning" in next(updates)[0]
     assert tiny.host.cancel("s/tune")
     text, dropdown = list(updates)[-1]
@@ -70,6 +70,6 @@ def test_no_loaded_preset_is_a_notice(tiny: ChatApp, monkeypatch: pytest.MonkeyP
     """A start whose preset failed to load: a notice, and the turn is handed back."""
     status = tiny.host.status()
     monkeypatch.setattr(tiny.host, "status", lambda: dataclasses.replace(status, active=None))
-    text, dropdown = list(tuning_view.tune_here(tiny, "s"))[-1]
+    text, dropdown = list(tuning_view.tune_here(tiny.turns, tiny.presets, "s"))[-1]
     assert "No preset is loaded." in text and dropdown == {"__type__": "update"}
     assert not tiny.host.generation_lock.locked()

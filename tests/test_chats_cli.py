@@ -12,8 +12,8 @@ import pytest
 from conftest import assert_user_error, run_cli
 
 from localspec.chats.export import parse_export, read_export, to_json, to_markdown
-from localspec.chats.store import ChatStore, Conversation, Message
-from localspec.config import DATA_ENV, MAX_CHAT_TITLE_CHARS
+from localspec.chats.store import MAX_CHAT_TITLE_CHARS, ChatStore, Conversation, Message
+from localspec.config import DATA_ENV
 from localspec.errors import InputFileError
 
 STATS = {"method": "ngram", "tokens_per_second": 41.27, "acceptance_rate": 0.625,

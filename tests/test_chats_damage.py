@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 
 from localspec.chats import schema
+from localspec.chats.schema import chats_path
 from localspec.chats.store import ChatStore, Message
-from localspec.config import DATA_ENV, chats_path, data_root
+from localspec.config import DATA_ENV, data_root
 from localspec.errors import ChatStoreError
 
 

@@ -16,8 +16,13 @@ from chats_worker import QUESTION, WORD
 
 from localspec.chats import schema
 from localspec.chats.answers import AnswerSaver
-from localspec.chats.store import ChatStore, Message, title_from
-from localspec.config import CHAT_TITLE_FROM_MESSAGE_CHARS, MAX_CHAT_TITLE_CHARS
+from localspec.chats.store import (
+    CHAT_TITLE_FROM_MESSAGE_CHARS,
+    MAX_CHAT_TITLE_CHARS,
+    ChatStore,
+    Message,
+    title_from,
+)
 from localspec.errors import ChatNotFoundError, ChatStoreError
 
 WORKER = Path(__file__).resolve().parent / "chats_worker.py"

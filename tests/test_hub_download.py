@@ -162,7 +162,7 @@ def test_a_disk_too_small_is_refused_before_any_byte(
     refused before any file is fetched, exactly enough is downloaded."""
     import shutil
 
-    from localspec.config import DOWNLOAD_FREE_MARGIN
+    from localspec.models.hub import DOWNLOAD_FREE_MARGIN
 
     size = len(repos["org/big-GGUF"].files["big.gguf"])
     real, free = shutil.disk_usage, [size + DOWNLOAD_FREE_MARGIN - 1]

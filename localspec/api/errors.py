@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from localspec.config import API_RETRY_AFTER_S
 from localspec.errors import LocalSpecError
+
+API_RETRY_AFTER_S = 5  # what a 429 or a 503 (models loading) asks a client to wait
 
 
 class ApiError(LocalSpecError):

@@ -22,7 +22,10 @@ from pydantic import (
     model_validator,
 )
 
-from localspec.config import API_MAX_STOP, API_MAX_TEMPERATURE, MAX_SEED, NewTokens, TopK, TopP
+from localspec.config import MAX_SEED, NewTokens, TopK, TopP
+
+API_MAX_STOP = 4  # stop strings per request, as OpenAI allows
+API_MAX_TEMPERATURE = 2.0  # OpenAI's range
 
 # Fields that never change an answer: accepted, ignored.
 IGNORED = frozenset({"user", "store", "metadata", "service_tier", "parallel_tool_calls",

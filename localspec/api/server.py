@@ -36,13 +36,14 @@ from localspec.api.errors import (
 from localspec.api.schemas import ChatRequest, CompletionRequest, describe
 from localspec.api.service import ApiService, Generation, Job
 from localspec.chats.store import ChatStore
-from localspec.config import API_KEY_ENV, API_MAX_BODY_BYTES, API_MAX_QUEUED
+from localspec.config import API_KEY_ENV, API_MAX_QUEUED
 from localspec.errors import LocalSpecError
 from localspec.files import decode_text, parse_json
 from localspec.host import ModelHost
 
 logger = logging.getLogger(__name__)
 
+API_MAX_BODY_BYTES = 8 * 2**20  # a request body past this is answered 413
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 

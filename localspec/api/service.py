@@ -28,7 +28,7 @@ from localspec.api.errors import BadRequest, Busy, Loading, NotFound, TooLarge
 from localspec.api.schemas import ChatRequest, CompletionRequest
 from localspec.chats.answers import SavedRequest, answer_settings, answer_summary
 from localspec.chats.store import ChatStore
-from localspec.config import API_MAX_QUEUED, API_STREAM_INTERVAL_S, Preset
+from localspec.config import API_MAX_QUEUED, Preset
 from localspec.drafter_set import DrafterSet
 from localspec.engine.engine import GenerationRequest, StepEvent
 from localspec.engine.stats import GenerationStats
@@ -39,6 +39,7 @@ from localspec.presets import list_preset_names
 
 logger = logging.getLogger(__name__)
 
+API_STREAM_INTERVAL_S = 0.05  # a stream's events go out together at most this often
 POLL_S = 0.25  # how often a waiting or non-streaming request looks for its client's departure
 
 

@@ -22,10 +22,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from localspec.chats.store import ChatStore, Message
-from localspec.config import CHAT_SAVE_EVERY_S, CHAT_SAVE_EVERY_TOKENS
 from localspec.errors import ChatStoreError
 
 logger = logging.getLogger(__name__)
+# A streaming answer is saved after this many new tokens or seconds, whichever first, and at its end
+CHAT_SAVE_EVERY_TOKENS, CHAT_SAVE_EVERY_S = 32, 0.5
 
 
 def answer_settings(request: Any, method: str, system: str | None = None) -> dict[str, Any]:

@@ -25,13 +25,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
-from localspec.chats.store import Conversation, Message, clean_title
-from localspec.config import MAX_CHAT_MESSAGE_CHARS, MAX_CHAT_MESSAGES
+from localspec.chats.store import MAX_CHAT_MESSAGE_CHARS, Conversation, Message, clean_title
 from localspec.errors import ChatStoreError, InputFileError
 from localspec.files import parse_json, read_user_text
 
 FORMAT = "localspec-chats"
 VERSION = 1
+MAX_CHAT_MESSAGES = 100_000  # per conversation, in an import
 MAX_ANSWER_DETAILS_CHARS = 64 * 1024  # an answer's settings or stats, as JSON
 ROLE_NAMES = {"user": "You", "assistant": "LocalSpec", "system": "System"}
 FINISHED = {"cancelled": "stopped by the user", "error": "ended by an error"}

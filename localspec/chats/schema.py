@@ -25,10 +25,11 @@ import sqlite3
 import time
 from pathlib import Path
 
-from localspec.config import CHATS_BUSY_TIMEOUT_S, DATA_ENV
+from localspec.config import CHATS_FILE, DATA_ENV, data_root
 from localspec.errors import ChatStoreError
 
 logger = logging.getLogger(__name__)
+CHATS_BUSY_TIMEOUT_S = 10.0  # how long a write waits for another process's transaction
 
 # Each entry: the statements that take a database from version i to i + 1.
 MIGRATIONS: tuple[tuple[str, ...], ...] = (
@@ -72,6 +73,11 @@ _DAMAGE_CODES = {sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB}
 
 class DamagedDatabase(Exception):
     """The file is not a conversations database this release can use; the message says why."""
+
+
+def chats_path() -> Path:
+    """The saved conversations' database file, in the user's data folder."""
+    return data_root() / CHATS_FILE
 
 
 def _judge(version: int, tables: list[str]) -> None:

@@ -35,22 +35,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from localspec.chats.schema import connect
-from localspec.config import (
-    CHAT_TITLE_FROM_MESSAGE_CHARS,
-    CHATS_BUSY_TIMEOUT_S,
-    CHATS_PURGE_AFTER_S,
-    MAX_CHAT_MESSAGE_CHARS,
-    MAX_CHAT_TITLE_CHARS,
-    MAX_CHATS_LISTED,
-    chats_path,
-)
+from localspec.chats.schema import CHATS_BUSY_TIMEOUT_S, chats_path, connect
 from localspec.errors import ChatNotFoundError, ChatStoreError
 from localspec.files import check_unicode
 
 logger = logging.getLogger(__name__)
 ROLES = ("system", "user", "assistant")
 UNTITLED = "New conversation"
+MAX_CHAT_TITLE_CHARS = 200  # a title the user gives (rename, import)
+CHAT_TITLE_FROM_MESSAGE_CHARS = 60  # a new conversation's title: its first message, cut here
+# The most one message holds: far past an answer or a pasted file; bounds what an import stores
+MAX_CHAT_MESSAGE_CHARS = 4 * 2**20
+MAX_CHATS_LISTED = 500  # the newest conversations the side list and `chats list` show
+CHATS_PURGE_AFTER_S = 7 * 24 * 3600  # a deleted conversation can be restored for a week
 
 
 @dataclass(frozen=True)

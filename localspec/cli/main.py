@@ -37,6 +37,8 @@ from transformers.utils import logging as transformers_logging
 
 from localspec.cli.loading import load_pipeline
 from localspec.cli.options import (
+    MAX_BENCH_REPEATS,
+    MAX_NUM_SAMPLES,
     add_chats,
     add_gpucheck,
     add_models,
@@ -45,18 +47,14 @@ from localspec.cli.options import (
     add_tune,
     count,
 )
-from localspec.config import (
-    DEFAULT_PRESET,
-    HARDWARE_LABELS,
-    MAX_BENCH_REPEATS,
-    MAX_NUM_SAMPLES,
-    cache_root,
-)
+from localspec.config import DEFAULT_PRESET, cache_root
 from localspec.errors import ConfigError, LocalSpecError
 from localspec.pipeline import request_settings_for
 from localspec.presets import load_preset
 from localspec.registry import method_names
 
+HARDWARE_LABELS = {"cpu": "CPU", "gpu-8gb": "GPU 8 GB", "gpu-12gb": "GPU 12 GB",
+                   "gpu-16gb": "GPU 16 GB", "gpu-24gb": "GPU 24 GB", "h100-80gb": "H100 80 GB"}
 EXIT_ERROR = 2  # a LocalSpecError: the user can fix it
 EXIT_BUG = 1  # anything else
 EXIT_INTERRUPTED = 130

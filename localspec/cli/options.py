@@ -7,18 +7,20 @@ import argparse
 from collections.abc import Callable
 
 from localspec.config import (
-    ANSWER_SOURCES,
     API_KEY_ENV,
     API_MAX_QUEUED,
-    API_PORT,
     CHATS_FILE,
     DATA_ENV,
     DEFAULT_PRESET,
-    MAX_BENCH_REPEATS,
     MAX_NEW_TOKENS,
     MAX_SPECULATIVE_TOKENS,
 )
 from localspec.registry import trainable_methods
+
+API_PORT = 8000  # `serve`'s port for the OpenAI-compatible API (the app mounts it at /v1)
+MAX_NUM_SAMPLES = 1000  # `generate --num-samples`
+MAX_BENCH_REPEATS = 100  # `bench` and `tune --repeats`
+ANSWER_SOURCES: tuple[str, ...] = ("corpus", "target")  # train-drafter's answers: given, own
 
 Handler = Callable[[argparse.Namespace], int]
 

@@ -33,13 +33,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from localspec.config import DOWNLOAD_FREE_MARGIN, models_root
+from localspec.config import models_root
 from localspec.errors import LocalSpecError, ModelLoadError
 from localspec.models.describe import check_model
 from localspec.models.library import DOWNLOADS_FOLDER
 
 # A save_pretrained model's files on the Hub (safetensors only: pickles are never fetched).
 MODEL_PATTERNS = ("*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja")
+DOWNLOAD_FREE_MARGIN = 256 * 2**20  # free disk a download leaves besides its files
 PLAN_FILE = "download.json"  # in the staging folder: the repo, its commit and the files' ETags
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
 Log = Callable[[str], None]

@@ -1,13 +1,14 @@
 """The Gradio app: chat with colour-coded speculation, a live readout, presets and race mode.
 
-Where things are: ``handlers`` (``ChatApp``: plain generators, tested without a browser),
-``layout`` (the ``gr.Blocks`` over them), ``streaming`` (the one loop from StepEvents to
-snapshots), ``views`` (``Settings`` and the outputs' shapes), the saved conversations
-(``saving``: a turn as it happens; ``conversations`` and ``chats_panel``: the side list), and
-the pure renderers ``render`` (tokens, readout, race, status), ``chat_view`` (the conversation:
-Markdown rendered by ``markdown`` into HTML that cannot fetch, and the verbatim text) and
-``preset_view``. The models come from a ``ModelHost``, which the app is given; nothing here
-touches tensors.
+Where things are: ``handlers`` (``ChatApp``: the handlers by subject, plain generators tested
+without a browser: ``chat_handlers``, ``race``, ``preset_handlers``, and ``turns``, what the
+generating ones share), ``layout`` (the ``gr.Blocks`` over them), ``streaming`` (the one loop
+from StepEvents to snapshots), ``views`` (``Settings`` and the outputs' shapes), the saved
+conversations (``saving``: a turn as it happens; ``conversations`` and ``chats_panel``: the side
+list), and the pure renderers ``render`` (tokens, readout, race, status), ``chat_view`` (the
+conversation: Markdown rendered by ``markdown`` into HTML that cannot fetch, and the verbatim
+text) and ``preset_view``. The models come from a ``ModelHost``, which the app is given; nothing
+here touches tensors.
 """
 
 from __future__ import annotations

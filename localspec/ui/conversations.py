@@ -1,15 +1,15 @@
 """The saved conversations' side panel: the list (newest first, filtered by a search), open,
 new, rename, delete with undo, export one or all as Markdown or JSON, import a JSON export.
 
-Plain functions over a ``ChatApp`` and its ``ChatStore``, returning views (``PanelView``, and a
-``ChatView`` for what changes the chat): tests call them without a browser, ``chats_panel``
-wires them. Opening a conversation (or starting a new one, or deleting the open one) first stops
-this tab's running answer, as Clear does; the tab then holds the opened messages and id, and the
-next message continues that conversation with the loaded preset (each answer keeps the
-preset it was made with). Every failure a user can meet (a conversation deleted in another tab,
-a title too long, a file that is not an export, a store that stopped working) is said in the
-panel's status line; with no store at all, the panel says why nothing is saved and the chat
-works as before. Titles are shown by Gradio as text, never as HTML.
+Plain functions over the chat's handlers (``ChatHandlers``) and their ``ChatStore``, returning
+views (``PanelView``, and a ``ChatView`` for what changes the chat): tests call them without a
+browser, ``chats_panel`` wires them. Opening a conversation (or starting a new one, or deleting
+the open one) first stops this tab's running answer, as Clear does; the tab then holds the
+opened messages and id, and the next message continues that conversation with the loaded preset
+(each answer keeps the preset it was made with). Every failure a user can meet (a conversation
+deleted in another tab, a title too long, a file that is not an export, a store that stopped
+working) is said in the panel's status line; with no store at all, the panel says why nothing is
+saved and the chat works as before. Titles are shown by Gradio as text, never as HTML.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import gradio as gr
 from localspec.chats.export import read_export, to_json, to_markdown
 from localspec.chats.store import Conversation, Summary
 from localspec.errors import InputFileError, LocalSpecError
+from localspec.ui.chat_handlers import ChatHandlers
 from localspec.ui.chat_view import chat_html
-from localspec.ui.handlers import ChatApp
 from localspec.ui.render import spans_html
 from localspec.ui.views import ChatView, PanelView, view
 
@@ -54,12 +54,12 @@ def label(row: Summary) -> str:
 
 
 class Conversations:
-    """The side panel's handlers over ``app.store`` (None: nothing saved, ``problem`` says
-    why)."""
+    """The side panel's handlers over ``chat.store`` (None: nothing saved, ``problem`` says
+    why); ``chat`` clears the tab before it shows another conversation."""
 
-    def __init__(self, app: ChatApp, problem: str = "") -> None:
-        self.app = app
-        self.store = app.store
+    def __init__(self, chat: ChatHandlers, problem: str = "") -> None:
+        self.chat = chat
+        self.store = chat.store
         self.problem = problem
         self._exports: Path | None = None  # a folder of this app's own for export files
 
@@ -116,11 +116,11 @@ class Conversations:
         views, then the panel's."""
         if conversation is None or self.store is None:
             return (*view(ChatView), *view(PanelView))
-        self.app.clear(session)
+        self.chat.clear(session)
         try:
             c = self.store.get(conversation)
         except LocalSpecError as exc:
-            return (*self.app.clear(session), *self.listing(search, None,
+            return (*self.chat.clear(session), *self.listing(search, None,
                                                             status=status_html(f"⚠ {exc}")))
         presets = {m.preset for m in c.messages if m.preset}
         made = f"; answered with {', '.join(sorted(presets))}" if presets else ""
@@ -131,7 +131,7 @@ class Conversations:
 
     def new(self, session: str = "local", search: str | None = "") -> tuple:
         """A new conversation in this tab (the open one stays saved)."""
-        return (*self.app.clear(session), *self.listing(search, None, undo=shown(False)))
+        return (*self.chat.clear(session), *self.listing(search, None, undo=shown(False)))
 
     def delete(self, conversation: int | None, session: str = "local",
                search: str | None = "") -> tuple:
@@ -144,7 +144,7 @@ class Conversations:
             self.store.delete(conversation)
         except LocalSpecError as exc:
             return (*view(ChatView), *view(PanelView, status=status_html(f"⚠ {exc}")))
-        return (*self.app.clear(session), *self.listing(
+        return (*self.chat.clear(session), *self.listing(
             search, None, status=status_html(f"Deleted '{title}'."), deleted=conversation,
             undo=shown(True)))
 
@@ -159,7 +159,7 @@ class Conversations:
         except LocalSpecError as exc:
             return (*view(ChatView), *view(PanelView, status=status_html(f"⚠ {exc}"),
                                            undo=shown(False)))
-        self.app.clear(session)
+        self.chat.clear(session)
         return self._opened(c, search, f"Restored '{c.title}'.", deleted=None)
 
     def rename(self, conversation: int | None, title: str | None,

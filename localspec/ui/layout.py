@@ -1,4 +1,4 @@
-"""The page: a ``gr.Blocks`` laid out over a ``ChatApp``'s handlers.
+"""The page: a ``gr.Blocks`` laid out over a ``ChatApp``'s handlers (chat, race, presets).
 
 Layout only: which component goes where, and which event calls which handler. The controls'
 ranges and starting values come from ``localspec.config``'s request schema (the single source of
@@ -21,8 +21,9 @@ from typing import Any
 import annotated_types
 import gradio as gr
 
-from localspec.config import SLIDER_MAX, RequestSettings
+from localspec.config import RequestSettings
 from localspec.registry import drafters
+from localspec.ui.chat_handlers import ChatHandlers
 from localspec.ui.chat_view import (
     CHAT_JS,
     MARKDOWN_MINE_ATTRIBUTE,
@@ -34,10 +35,15 @@ from localspec.ui.chats_panel import build_panel, wire_panel
 from localspec.ui.conversations import Conversations
 from localspec.ui.handlers import ChatApp
 from localspec.ui.models_view import build_models_tab, wire_models
+from localspec.ui.preset_handlers import PresetHandlers
+from localspec.ui.race import RaceHandlers
 from localspec.ui.render import legend_html, spans_html
 from localspec.ui.tuning_view import tune_here
+from localspec.ui.turns import Turns
 from localspec.ui.views import ChatView, RaceView, Settings, SwitchView, session_of
 
+# The span of the sliders: the useful range, inside the limits the config's schema sets.
+SLIDER_MAX = {"temperature": 2.0, "top_k": 200, "max_new_tokens": 8192}
 SLIDERS = {  # control -> (request setting, step, label)
     "temperature": ("temperature", 0.05, "temperature (0 = greedy)"),
     "top_p": ("top_p", 0.05, "top-p"),
@@ -55,7 +61,7 @@ def method_choices() -> list[tuple[str, str]]:
 
 def setting_range(name: str, step: float) -> tuple[float, float]:
     """(lowest, highest) value of request setting ``name`` that the config's schema accepts,
-    capped at the config's SLIDER_MAX (temperature 100 is valid but no use on a slider); an
+    capped at ``SLIDER_MAX`` (temperature 100 is valid but no use on a slider); an
     open lower bound (top-p > 0) starts one ``step`` above it."""
     low, high = 0.0, float("inf")
     for bound in RequestSettings.model_fields[name].metadata:
@@ -182,12 +188,13 @@ class PresetPanel:
     tuned: gr.HTML
 
 
-def _preset_panel(app: ChatApp) -> PresetPanel:
+def _preset_panel(presets: PresetHandlers) -> PresetPanel:
     with gr.Accordion("Preset", open=True):
-        choices = app.preset_choices()
+        choices = presets.choices()
         listed = {value for _, value in choices}
         preset = gr.Dropdown(choices, label="Preset", elem_id="ls-preset",
-                             value=app.default_preset if app.default_preset in listed else None)
+                             value=presets.default_preset if presets.default_preset in listed
+                             else None)
         with gr.Row():
             path = gr.Textbox(label="…or a preset file path", scale=4, elem_id="ls-preset-path")
             load = gr.Button("Load", scale=1, elem_id="ls-load-path")
@@ -197,21 +204,21 @@ def _preset_panel(app: ChatApp) -> PresetPanel:
             stop_tune = gr.Button("Stop tuning", size="sm", elem_id="ls-tune-stop")
         tuned = gr.HTML("", elem_id="ls-tune-out", js_on_load=None)
         with gr.Accordion("All presets and what fits", open=False):
-            gr.HTML(app.presets_html(), js_on_load=None)
+            gr.HTML(presets.table_html(), js_on_load=None)
     return PresetPanel(preset, path, load, info, tune, stop_tune, tuned)
 
 
 def build(app: ChatApp, api_info: str = "", conversations: Conversations | None = None
           ) -> gr.Blocks:
     """The page (``api_info``: where its API is, shown under the status; ``conversations``:
-    the saved conversations' panel, by default over ``app.store``). Launch it with
+    the saved conversations' panel, by default over ``app.chat``'s store). Launch it with
     ``css=APP_CSS`` (``localspec.ui.app``)."""
-    conversations = conversations or Conversations(app)
+    conversations = conversations or Conversations(app.chat)
     with gr.Blocks(title="LocalSpec", analytics_enabled=False) as demo:
         gr.Markdown("# LocalSpec: speculative decoding you can watch\n"
                     "Green tokens were guessed by the drafter and accepted by the target; "
                     "the output is exactly what the target alone would say.")
-        status = gr.HTML(app.status(), elem_id="ls-status", js_on_load=None)
+        status = gr.HTML(app.presets.status(), elem_id="ls-status", js_on_load=None)
         if api_info:
             gr.HTML(api_info, elem_id="ls-api", js_on_load=None)
         with gr.Tabs():
@@ -222,7 +229,7 @@ def build(app: ChatApp, api_info: str = "", conversations: Conversations | None 
                     tab = _chat_column()
                 with gr.Column(scale=2):
                     tab.stats = gr.HTML("", elem_id="ls-stats", js_on_load=None)
-                    panel = _preset_panel(app)
+                    panel = _preset_panel(app.presets)
                     controls = _controls()
             with gr.Tab("Race"):
                 gr.Markdown("The same prompt through plain decoding and through the chosen "
@@ -237,47 +244,48 @@ def build(app: ChatApp, api_info: str = "", conversations: Conversations | None 
                 models = build_models_tab()
         switch_outputs = [status, panel.preset, panel.info, controls.method,
                           *(getattr(controls, name) for name in SwitchView._fields[4:])]
-        answers = _wire_chat(app, tab, controls)
+        answers = _wire_chat(app.chat, app.turns, tab, controls)
         wire_panel(conversations, chats, tab.conversation, tab.outputs(), answers)
-        _wire_race(app, race_prompt, race_go, race_stop, [race_out, race_notice], controls)
+        _wire_race(app.race, app.turns, race_prompt, race_go, race_stop,
+                   [race_out, race_notice], controls)
         for trigger, source in ((panel.preset.input, panel.preset),
                                 (panel.load.click, panel.path)):
-            trigger(app.switch_preset, source, switch_outputs, concurrency_limit=1,
+            trigger(app.presets.switch, source, switch_outputs, concurrency_limit=1,
                     concurrency_id="switch", show_progress="hidden")
         def tune(request: gr.Request) -> Iterator[tuple[str, dict]]:
-            yield from tune_here(app, session_of(request))
+            yield from tune_here(app.turns, app.presets, session_of(request))
 
         panel.tune.click(tune, None, [panel.tuned, panel.preset], concurrency_limit=1,
                          concurrency_id="tune", show_progress="hidden")
         def stop_tune(request: gr.Request) -> str | dict:
-            return app.stop(session_of(request), "tune")
+            return app.turns.stop(session_of(request), "tune")
 
         panel.stop_tune.click(stop_tune, None, panel.tuned, queue=False)
-        gr.Timer(1.0).tick(app.status, None, status, show_progress="hidden", queue=False)
-        wire_models(models, panel.preset, app.preset_choices, demo)
-        demo.load(app.initial_controls, None, switch_outputs, queue=False)
+        gr.Timer(1.0).tick(app.presets.status, None, status, show_progress="hidden", queue=False)
+        wire_models(models, panel.preset, app.presets.choices, demo)
+        demo.load(app.presets.initial_controls, None, switch_outputs, queue=False)
         demo.load(conversations.page, None, chats.outputs(), queue=False)
     return demo
 
 
-def _wire_chat(app: ChatApp, tab: ChatTab, controls: Controls) -> list[Any]:
+def _wire_chat(chat: ChatHandlers, turns: Turns, tab: ChatTab, controls: Controls) -> list[Any]:
     """The chat's events; returns those that generate an answer."""
     inputs = {tab.message, tab.history, tab.conversation, *controls.components().values()}
 
     def send(values: dict[Any, Any], request: gr.Request) -> Iterator[ChatView]:
-        yield from app.chat(values[tab.message], values[tab.history],
-                            controls.settings(values), session_of(request),
-                            values[tab.conversation])
+        yield from chat.send(values[tab.message], values[tab.history],
+                             controls.settings(values), session_of(request),
+                             values[tab.conversation])
 
     def regenerate(values: dict[Any, Any], request: gr.Request) -> Iterator[ChatView]:
-        yield from app.regenerate(values[tab.history], controls.settings(values),
-                                  session_of(request), values[tab.conversation])
+        yield from chat.regenerate(values[tab.history], controls.settings(values),
+                                   session_of(request), values[tab.conversation])
 
     def stop(request: gr.Request) -> str:
-        return app.stop(session_of(request), "chat")
+        return turns.stop(session_of(request), "chat")
 
     def clear(request: gr.Request) -> ChatView:
-        return app.clear(session_of(request))
+        return chat.clear(session_of(request))
 
     answers = [trigger(send, inputs, tab.outputs(), concurrency_limit=None,
                        show_progress="hidden") for trigger in (tab.send.click, tab.message.submit)]
@@ -285,20 +293,21 @@ def _wire_chat(app: ChatApp, tab: ChatTab, controls: Controls) -> list[Any]:
                                         show_progress="hidden"))
     tab.stop.click(stop, None, tab.notice, queue=False)
     tab.clear.click(clear, None, tab.outputs(), queue=False)
-    controls.show_rejected.change(app.rerender, [tab.spans, controls.show_rejected],
+    controls.show_rejected.change(chat.rerender, [tab.spans, controls.show_rejected],
                                   tab.tokens, queue=False)
     return answers
 
 
-def _wire_race(app: ChatApp, prompt: gr.Textbox, go: gr.Button, stop_button: gr.Button,
-               outputs: list[gr.components.Component], controls: Controls) -> None:
+def _wire_race(race: RaceHandlers, turns: Turns, prompt: gr.Textbox, go: gr.Button,
+               stop_button: gr.Button, outputs: list[gr.components.Component],
+               controls: Controls) -> None:
     inputs = {prompt, *controls.components().values()}
 
     def race(values: dict[Any, Any], request: gr.Request) -> Iterator[RaceView]:
-        yield from app.race(values[prompt], controls.settings(values), session_of(request))
+        yield from race.run(values[prompt], controls.settings(values), session_of(request))
 
     def stop(request: gr.Request) -> str:
-        return app.stop(session_of(request), "race")
+        return turns.stop(session_of(request), "race")
 
     go.click(race, inputs, outputs, concurrency_limit=None, show_progress="hidden")
     stop_button.click(stop, None, outputs[1], queue=False)

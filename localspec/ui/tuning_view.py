@@ -17,10 +17,12 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import gradio as gr
 
 from localspec.errors import LocalSpecError
+from localspec.host import ModelHost
 from localspec.training.prompts import encode_prompts, load_prompts
 from localspec.training.tuning import check_name, format_report, run_tune, tuned_name
 from localspec.ui.chat_view import notice_html
-from localspec.ui.handlers import ChatApp
+from localspec.ui.preset_handlers import PresetHandlers
+from localspec.ui.turns import Turns
 
 TUNE_TOKENS = 64
 TUNE_REPEATS = 2
@@ -33,28 +35,31 @@ def _lines_html(lines: list[str]) -> str:
     return f'<pre class="ls-tune">{html.escape(chr(10).join(lines))}</pre>'
 
 
-def tune_here(app: ChatApp, session: str) -> Iterator[Update]:
-    """Tune the loaded preset: (progress or result HTML, the dropdown's update) as it goes."""
-    cancel = app.host.begin(f"{session}/tune")
+def tune_here(turns: Turns, presets: PresetHandlers, session: str) -> Iterator[Update]:
+    """Tune the loaded preset, taking a turn at the model from ``turns``: (progress or result
+    HTML, the dropdown's update, whose choices come from ``presets``) as it goes."""
+    host = turns.host
+    cancel = host.begin(f"{session}/tune")
     try:
-        why_not = yield from app.wait_turn(cancel, lambda text: (notice_html(text), gr.update()))
+        why_not = yield from turns.wait_turn(cancel, lambda text: (notice_html(text), gr.update()))
         if why_not is not None:
             yield notice_html(why_not), gr.update()
             return
         try:  # the preset read with the turn held: a switch cannot come between
-            key = app.host.status().active
+            key = host.status().active
             if key is None:
                 yield notice_html("No preset is loaded."), gr.update()
                 return
-            yield from _tune(app, key, cancel.is_set)
+            yield from _tune(host, presets, key, cancel.is_set)
         finally:
-            app.host.generation_lock.release()
+            host.generation_lock.release()
     finally:
-        app.host.end(f"{session}/tune", cancel)
+        host.end(f"{session}/tune", cancel)
 
 
-def _tune(app: ChatApp, key: str, cancelled: Callable[[], bool]) -> Iterator[Update]:
-    pipe = app.host.pipeline
+def _tune(host: ModelHost, presets: PresetHandlers, key: str,
+          cancelled: Callable[[], bool]) -> Iterator[Update]:
+    pipe = host.pipeline
     lines = [f"Tuning {key} on this machine (a few minutes; answers wait meanwhile)…"]
     yield _lines_html(lines), gr.update()
     try:
@@ -68,7 +73,7 @@ def _tune(app: ChatApp, key: str, cancelled: Callable[[], bool]) -> Iterator[Upd
         return run_tune(pipe, key, encoded, TUNE_TOKENS, TUNE_REPEATS, log=lines.append,
                         cancelled=cancelled)
 
-    future = app.host.submit_on_engine(work)
+    future = host.submit_on_engine(work)
     while True:
         try:
             report = future.result(timeout=POLL_S)
@@ -79,4 +84,4 @@ def _tune(app: ChatApp, key: str, cancelled: Callable[[], bool]) -> Iterator[Upd
             yield notice_html(f"⚠ {exc}"), gr.update()
             return
     yield (_lines_html(format_report(report).splitlines()),
-           gr.update(choices=app.preset_choices()))
+           gr.update(choices=presets.choices()))
