@@ -102,7 +102,9 @@ class DrafterSpec:
     # bytes of the drafter's own weights for a target of this shape, in 16 bits, as published
     # heads of the method are shaped (a built-in head counts as its files instead); None: none
     weight_bytes: Callable[[TargetShape], int] | None = None
-    head: HeadSpec | None = None  # how a head method's files are told, read and trained
+    # how a head method's files are told, read and trained (None: not found by the finder,
+    # not read by head_layouts.load_head, not trained)
+    head: HeadSpec | None = None
 
     def __post_init__(self) -> None:
         """A malformed entry is a programming error, caught when the registry is imported."""
@@ -115,9 +117,8 @@ class DrafterSpec:
             raise ValueError(f"drafter '{self.name}': needs must be one of {NEEDS}")
         if self.build is None and (self.needs != "nothing" or self.vllm_method):
             raise ValueError(f"drafter '{self.name}': without a build it is plain decoding")
-        if (self.head is not None) != (self.needs == "head"):
-            raise ValueError(f"drafter '{self.name}': a head (HeadSpec) is what needs='head' "
-                             "reads, and only it")
+        if self.head is not None and self.needs != "head":
+            raise ValueError(f"drafter '{self.name}': a head (HeadSpec) is for needs='head'")
 
     @property
     def speculative(self) -> bool:
