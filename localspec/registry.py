@@ -54,6 +54,37 @@ class TargetShape(Protocol):
     def vocab_size(self) -> int: ...
 
 
+def _is_reference(reference: str) -> bool:
+    """Whether ``reference`` has the form ``"module:attribute"``."""
+    module, _, attribute = reference.partition(":")
+    return bool(module and attribute)
+
+
+@dataclass(frozen=True)
+class HeadSpec:
+    """What a head method's files and training need, named lazily like ``build``.
+
+    ``load`` and ``trainer`` are ``"module:attribute"`` references that the code using them
+    imports (``drafters.head_layouts.load_head``, ``training.heads.head_trainer``): ``load`` a
+    function ``(files, target, dtype) -> (module, target layers it reads)`` that reads the
+    head's published layout; ``trainer`` an object with ``training.heads.HeadTrainer``'s
+    methods (None: ``train-drafter`` cannot train one). ``architectures`` and ``config_keys``
+    tell a folder of this method by its config.json (``head_method``)."""
+
+    label: str  # the method's name in messages about its files ("EAGLE-3")
+    load: str  # "module:function" reading a head of this method for a target
+    trainer: str | None = None  # "module:attribute": the method's HeadTrainer
+    # a config.json "architectures" entry containing one of these marks a head of the method
+    architectures: tuple[str, ...] = ()
+    config_keys: tuple[str, ...] = ()  # so does one of these config.json keys
+
+    def __post_init__(self) -> None:
+        """A malformed head is a programming error, caught when the registry is imported."""
+        if not _is_reference(self.load) or not (self.trainer is None
+                                                or _is_reference(self.trainer)):
+            raise ValueError(f"head '{self.label}': load and trainer must be 'module:attribute'")
+
+
 @dataclass(frozen=True)
 class DrafterSpec:
     """One speculative method, as everything outside its own module sees it."""
@@ -71,10 +102,12 @@ class DrafterSpec:
     # bytes of the drafter's own weights for a target of this shape, in 16 bits, as published
     # heads of the method are shaped (a built-in head counts as its files instead); None: none
     weight_bytes: Callable[[TargetShape], int] | None = None
-    trainable: bool = False  # train-drafter can train one (localspec.training.heads)
     # not a drafter but a set of them, one chosen each step by the engine's policy (``auto``:
     # its members are resolved by ``localspec.drafter_set``)
     chooses: bool = False
+    # how a head method's files are told, read and trained (None: not found by the finder,
+    # not read by head_layouts.load_head, not trained)
+    head: HeadSpec | None = None
 
     def __post_init__(self) -> None:
         """A malformed entry is a programming error, caught when the registry is imported."""
@@ -90,11 +123,18 @@ class DrafterSpec:
                              "or a set")
         if self.chooses and self.build is not None:
             raise ValueError(f"'{self.name}' chooses among drafters: it has no build")
+        if self.head is not None and self.needs != "head":
+            raise ValueError(f"drafter '{self.name}': a head (HeadSpec) is for needs='head'")
 
     @property
     def speculative(self) -> bool:
         """Whether it drafts at all (False for plain decoding)."""
         return self.build is not None or self.chooses
+
+    @property
+    def trainable(self) -> bool:
+        """Whether ``train-drafter`` can train one: its head names a trainer."""
+        return self.head is not None and self.head.trainer is not None
 
 
 # ----------------------------------------------------------------------------- head sizes
@@ -140,11 +180,20 @@ DRAFTERS: tuple[DrafterSpec, ...] = (
     DrafterSpec("ngram", "n-gram lookup", "localspec.drafters.ngram:build", vllm_method="ngram",
                 vllm_keys=("prompt_lookup_max", "prompt_lookup_min")),
     DrafterSpec("eagle3", "EAGLE-3 head", "localspec.drafters.eagle:build_eagle3",
-                needs="head", vllm_method="eagle3", weight_bytes=eagle3_bytes, trainable=True),
+                needs="head", vllm_method="eagle3", weight_bytes=eagle3_bytes,
+                head=HeadSpec("EAGLE-3", "localspec.drafters.head_layouts:load_eagle3",
+                              "localspec.training.eagle_trainer:EAGLE3",
+                              architectures=("Eagle3",))),
     DrafterSpec("eagle", "EAGLE head", "localspec.drafters.eagle:build_eagle", needs="head",
-                vllm_method="eagle", weight_bytes=eagle_bytes, trainable=True),
+                vllm_method="eagle", weight_bytes=eagle_bytes,
+                head=HeadSpec("EAGLE", "localspec.drafters.head_layouts:load_eagle",
+                              "localspec.training.eagle_trainer:EAGLE",
+                              architectures=("Eagle",))),
     DrafterSpec("medusa", "Medusa heads", "localspec.drafters.medusa:build", needs="head",
-                vllm_method="medusa", weight_bytes=medusa_bytes, trainable=True,
+                vllm_method="medusa", weight_bytes=medusa_bytes,
+                head=HeadSpec("Medusa", "localspec.drafters.head_layouts:load_medusa",
+                              "localspec.training.medusa_trainer:MEDUSA",
+                              architectures=("Medusa",), config_keys=("medusa_num_heads",)),
                 # drafters/medusa.py: the built-in heads read the target's LM head (token_map)
                 builtin_head_note="its Medusa heads read the target's own LM head (the rows in "
                                   "token_map); vLLM's Medusa needs LM heads inside the "
@@ -169,6 +218,34 @@ def drafter_spec(name: str) -> DrafterSpec:
         if spec.name == name:
             return spec
     raise PresetError(f"unknown method '{name}': choose one of {', '.join(method_names())}")
+
+
+def head_spec(name: str) -> HeadSpec:
+    """The head of method ``name``; PresetError if it is unknown or needs no head."""
+    head = drafter_spec(name).head
+    if head is None:
+        raise PresetError(f"method '{name}' drafts without a head: choose one of "
+                          f"{', '.join(methods_needing('head'))}")
+    return head
+
+
+def head_method(config: dict[str, object]) -> str | None:
+    """The head method a head folder's config.json (or training.json) describes, or None
+    for a folder that is no registered head: its ``method`` when that is a head method, else
+    the method whose ``architectures`` mark matches ``config["architectures"]`` (the longest
+    mark wins: "Eagle3" over "Eagle") or one of whose ``config_keys`` it has."""
+    heads = {spec.name: spec.head for spec in DRAFTERS if spec.head is not None}
+    method = config.get("method")
+    if isinstance(method, str) and method in heads:
+        return method
+    listed = config.get("architectures")
+    names = " ".join(str(a) for a in listed) if isinstance(listed, list) else ""
+    marked = [(len(mark), name) for name, head in heads.items() for mark in head.architectures
+              if mark in names]
+    if marked:
+        return max(marked)[1]
+    return next((name for name, head in heads.items()
+                 if any(key in config for key in head.config_keys)), None)
 
 
 def methods_needing(needs: Needs) -> tuple[str, ...]:

@@ -1,14 +1,24 @@
 """The drafter contract (``localspec.engine.drafter.Drafter``): ``traits``, ``reset`` and
 ``propose`` are each drafter's own, ``outlook(context)`` is part of the contract with a default
 of "nothing known", and the engine asks every drafter through it, refusing an object that only
-looks like a drafter."""
+looks like a drafter.
+Every drafter class under ``localspec/drafters`` is built by a registry entry (a drafter
+module without its entry fails, the negative control shows)."""
 
 from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+import sys
+from types import ModuleType
 
 import pytest
 import torch
 from conftest import VOCAB, collect, decode
 
+import localspec.drafters as drafters_package
+from localspec import registry
 from localspec.drafters.base import ModelDrafter
 from localspec.drafters.draft_model import DraftModelDrafter
 from localspec.drafters.eagle import EagleDrafter
@@ -136,3 +146,66 @@ def test_the_engine_asks_the_outlook_each_step(target_runner: ModelRunner) -> No
     assert len(drafter.asked) == len(events) + 1
     assert drafter.asked[0] == drafter.asked[1] == PROMPT
     assert drafter.asked[-1] == PROMPT + tokens[: len(drafter.asked[-1]) - len(PROMPT)]
+
+
+# ----------------------------------------------------------------- every drafter registered
+
+
+def drafter_classes(modules: list[ModuleType]) -> list[type[Drafter]]:
+    """The concrete Drafter subclasses defined in ``modules``."""
+    return [cls for module in modules for _, cls in inspect.getmembers(module, inspect.isclass)
+            if issubclass(cls, Drafter) and cls.__module__ == module.__name__
+            and not inspect.isabstract(cls)]
+
+
+def unregistered(modules: list[ModuleType]) -> list[str]:
+    """The drafters of ``modules`` that no registry entry builds: a drafter counts as
+    registered when some entry's ``build`` returns it (its return annotation), so a class
+    whose entry is missing, or whose build returns another class, is listed."""
+    built = set()
+    for spec in registry.drafters():
+        if spec.build is not None:
+            module, _, function = spec.build.partition(":")
+            returned = getattr(importlib.import_module(module), function).__annotations__.get(
+                "return")
+            built.add(returned if isinstance(returned, str) else getattr(returned, "__name__",
+                                                                           None))
+    return [f"{cls.__module__}.{cls.__name__}" for cls in drafter_classes(modules)
+            if cls.__name__ not in built and cls.__name__ not in NOT_METHODS]
+
+
+def drafter_modules() -> list[ModuleType]:
+    """Every module under localspec/drafters."""
+    return [importlib.import_module(f"localspec.drafters.{info.name}")
+            for info in pkgutil.iter_modules(drafters_package.__path__)]
+
+
+# Drafters that are no method of their own: they wrap a registered drafter.
+NOT_METHODS = {"SimulatedDrafter"}  # bench's draft_model@A (drafters/simulated.py)
+
+
+def test_every_drafter_under_drafters_has_a_registry_entry() -> None:
+    """A drafter module without its entry in ``localspec/registry.py`` fails here."""
+    assert drafter_classes(drafter_modules())
+    assert unregistered(drafter_modules()) == []
+
+
+def test_a_drafter_missing_from_the_registry_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The negative control: a drafter module dropped under localspec/drafters with no entry
+    is listed; its entry added, it is not."""
+    module = ModuleType("localspec.drafters.unlisted")
+
+    class Unlisted(Repeat):
+        """A new drafter, unregistered."""
+
+    def build(ctx: object) -> Unlisted:
+        return Unlisted()
+
+    Unlisted.__module__ = module.__name__
+    module.Unlisted, module.build = Unlisted, build  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    modules = [*drafter_modules(), module]
+    assert unregistered(modules) == ["localspec.drafters.unlisted.Unlisted"]
+    entry = registry.DrafterSpec("unlisted", "unlisted", f"{module.__name__}:build")
+    monkeypatch.setattr(registry, "DRAFTERS", (*registry.DRAFTERS, entry))
+    assert unregistered(modules) == []

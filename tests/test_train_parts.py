@@ -21,9 +21,9 @@ from localspec.training.answers import AnswerCache
 from localspec.training.corpus import default_documents, user_documents
 from localspec.training.heads import (
     HeadShape,
-    eagle_spec,
     feature_layers,
     head_bytes,
+    head_trainer,
     new_head,
     vocabulary,
 )
@@ -96,7 +96,7 @@ def test_training_unroll_equals_the_drafters_forward(method: str) -> None:
     feeding real features up to t - d and then drafting d steps on its own outputs, as
     ``EagleDrafter`` does with its KV cache (float64: equal to rounding)."""
     config = llama_target().config
-    head = EagleHead(eagle_spec(method, config, HeadShape(attention_heads=4), 60),
+    head = EagleHead(head_trainer(method).spec(config, HeadShape(attention_heads=4), 60),
                      dtype=torch.float64)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -124,7 +124,7 @@ def test_default_head_sizes_fit_the_budget_for_the_bundled_model() -> None:
     config = Qwen2Config(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                          num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
                          max_position_embeddings=32768)
-    sizes = {method: head_bytes(EagleHead(eagle_spec(method, config, HeadShape(), 4096),
+    sizes = {method: head_bytes(EagleHead(head_trainer(method).spec(config, HeadShape(), 4096),
                                           device="meta"), 151936)
              for method in ("eagle", "eagle3")}
     sizes["medusa"] = head_bytes(MedusaHeads(1536, 151936, HeadShape().medusa_heads,

@@ -1,4 +1,5 @@
-"""``localspec train-drafter``: train an EAGLE, EAGLE-3 or Medusa head for a target, here.
+"""``localspec train-drafter``: train an EAGLE, EAGLE-3 or Medusa head for a target, here
+(any method whose registry entry names a trainer: ``training.heads.head_trainer``).
 
 Phases, each bounded by a flag and announced with its size before it starts (and with a time
 estimate once its first few units are measured): the corpus (``--tokens``), the frozen target's
@@ -27,8 +28,6 @@ import torch
 
 from localspec.cli.loading import ProgressBar, load_pipeline
 from localspec.config import Preset, parse_preset
-from localspec.drafters.eagle_head import EagleHead
-from localspec.drafters.medusa import MedusaHeads
 from localspec.errors import ConfigError, InputFileError
 from localspec.pipeline import Pipeline
 from localspec.presets import load_preset
@@ -49,6 +48,7 @@ from localspec.training.heads import (
     feature_layers,
     head_bytes,
     head_config,
+    head_trainer,
     initial_head,
     new_head,
     save_head,
@@ -163,7 +163,7 @@ class Setup:
     corpus: Corpus
     layers: tuple[int, ...]
     vocab_ids: torch.Tensor
-    head: EagleHead | MedusaHeads
+    head: torch.nn.Module
     identity: dict[str, object]  # what a checkpoint must match to be resumed
     fingerprint: dict[str, object]  # the served target's: keys the feature and answer caches
     distiller: SelfDistiller | None  # --answers target
@@ -220,8 +220,8 @@ def _set_up(plan: TrainPlan, args: argparse.Namespace, log: Log) -> Setup:
     log(f"corpus: {tokens:,} tokens from {corpus.documents} documents of {source} ({fmt}"
         f"{', all of it' if corpus.exhausted else ''}), {len(corpus.chunks)} chunks of "
         f"{len(corpus.chunks[0])}; {len(corpus.eval_prompts)} documents held out")
-    kind = "draft vocabulary" if plan.method == "eagle3" else "training softmax"
-    log(f"head: {plan.method}, {head_mb:.1f} MB as bfloat16; its {kind} of "
+    role = head_trainer(plan.method).vocabulary_role
+    log(f"head: {plan.method}, {head_mb:.1f} MB as bfloat16; its {role} of "
         f"{len(vocab_ids):,} tokens covers {coverage:.1%} of the corpus")
     log(f"plan: target features for {tokens:,} tokens (cached ones reused), "
         f"{plan.config.steps} steps of {plan.config.batch} x {len(corpus.chunks[0])} tokens, "

@@ -21,12 +21,19 @@ Layouts (key names as the public checkpoints and vLLM's loaders have them):
 
 A head made for another target is refused before any weight is copied, saying which of
 hidden size, vocabulary or layer count differs and why it matters.
+
+Which loader reads a method's heads, and its name in messages, is the method's registry entry
+(``registry.HeadSpec``): ``load_head`` imports the entry's ``load``, so a head method registered
+elsewhere (a test's toy) is read the same way. The ``load_*`` functions below are the shipped
+methods' entries, all of one signature.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -36,12 +43,26 @@ from localspec.drafters.eagle_head import EagleHead, EagleSpec, eagle3_layers
 from localspec.drafters.head_files import HeadFiles
 from localspec.drafters.medusa_head import MedusaHeads
 from localspec.errors import ModelLoadError
+from localspec.registry import head_spec
 from localspec.runtime.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
-KIND_LABEL = {"eagle": "EAGLE", "eagle3": "EAGLE-3", "medusa": "Medusa"}
 ORIGINAL_MEDUSA = re.compile(r"^(\d+)\.(\d+)\.(linear\.)?(weight|bias)$")
+
+
+# A registered head loader: (files, target, dtype) -> (the head, the target layers it reads).
+HeadLoader = Callable[[HeadFiles, ModelRunner, torch.dtype | None],
+                      tuple[nn.Module, tuple[int, ...]]]
+
+
+def load_head(files: HeadFiles, method: str, target: ModelRunner,
+              dtype: torch.dtype | None = None) -> tuple[nn.Module, tuple[int, ...]]:
+    """A head of ``method`` for ``target`` read by its registered loader (``HeadSpec.load``),
+    and the target layers it reads, in ``dtype`` (default: the target's embedding's)."""
+    module, _, function = head_spec(method).load.partition(":")
+    loader: HeadLoader = getattr(importlib.import_module(module), function)
+    return loader(files, target, dtype)
 
 
 def _refuse(files: HeadFiles, why: str) -> ModelLoadError:
@@ -105,7 +126,7 @@ def _eagle_spec(files: HeadFiles, kind: str, state: dict[str, torch.Tensor],
                 target: ModelRunner) -> EagleSpec:
     c = files.config
     if not c:
-        raise _refuse(files, f"no config.json in {files.folder}: an {KIND_LABEL[kind]} head "
+        raise _refuse(files, f"no config.json in {files.folder}: an {head_spec(kind).label} head "
                              "comes with a Llama-style config")
     if c.get("hidden_act", "silu") != "silu":
         raise _refuse(files, f"activation {c['hidden_act']!r} is not supported (only silu)")
@@ -156,7 +177,7 @@ def _check_eagle_target(files: HeadFiles, spec: EagleSpec, state: dict[str, torc
     other = "eagle" if spec.kind == "eagle3" else "eagle3"
     if fc.shape[1] != spec.fused_width and fc.shape[1] == replace(spec, kind=other).fused_width:
         raise _refuse(files, f"fc.weight reads {fc.shape[1]} = {fc.shape[1] // spec.hidden_size}"
-                             f" x {spec.hidden_size} inputs: this is an {KIND_LABEL[other]} "
+                             f" x {spec.hidden_size} inputs: this is an {head_spec(other).label} "
                              f"head; set [speculative_config] method = \"{other}\"")
     width = spec.target_hidden_size if spec.kind == "eagle3" else spec.hidden_size
     if width != target.hidden_size:
@@ -216,6 +237,19 @@ def load_eagle_head(files: HeadFiles, kind: str, target: ModelRunner,
     return head.eval().requires_grad_(False), layers
 
 
+def load_eagle(files: HeadFiles, target: ModelRunner, dtype: torch.dtype | None = None
+               ) -> tuple[EagleHead, tuple[int, ...]]:
+    """Method "eagle"'s loader: an EAGLE head, reading the target's final state."""
+    return load_eagle_head(files, "eagle", target, dtype)[0], (target.num_layers,)
+
+
+def load_eagle3(files: HeadFiles, target: ModelRunner, dtype: torch.dtype | None = None
+                ) -> tuple[EagleHead, tuple[int, ...]]:
+    """Method "eagle3"'s loader: an EAGLE-3 head and the three target layers it fuses."""
+    head, layers = load_eagle_head(files, "eagle3", target, dtype)
+    return head, layers or eagle3_layers(target.num_layers)
+
+
 # ----------------------------------------------------------------------------- Medusa
 
 
@@ -262,6 +296,12 @@ def load_medusa_heads(files: HeadFiles, target: ModelRunner,
                         dtype=dtype or target.embedding_weight().dtype, device=target.device)
     _load_state(files, heads, state)
     return heads.eval().requires_grad_(False)
+
+
+def load_medusa(files: HeadFiles, target: ModelRunner, dtype: torch.dtype | None = None
+                ) -> tuple[MedusaHeads, tuple[int, ...]]:
+    """Method "medusa"'s loader: Medusa heads, reading the target's final state."""
+    return load_medusa_heads(files, target, dtype), (target.num_layers,)
 
 
 def _check_token_map(files: HeadFiles, token_map: torch.Tensor | None, vocab_size: int) -> int:

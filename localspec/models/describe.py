@@ -10,8 +10,8 @@ cannot load), so that nothing is added to the library that would fail at its fir
 The native path is decided by ``native_reason`` alone, from the names the loader itself uses:
 ``config.NATIVE_ARCHITECTURES`` (which ``runtime.decoder`` runs) and ``config.NATIVE_GGUF_TYPES``
 (the matrix types ``w4a8`` keeps as stored), over the layer matrices ``runtime.gguf_kquants`` maps.
-A draft head (EAGLE, EAGLE-3, Medusa) is a folder too; it is told apart by its config and
-described as a head for its target.
+A draft head (EAGLE, EAGLE-3, Medusa: any registered head method) is a folder too; it is told
+apart by its config (``registry.head_method``) and described as a head for its target.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from pathlib import Path
 from localspec.config import NATIVE_ARCHITECTURES, NATIVE_GGUF_TYPES
 from localspec.errors import InputFileError, ModelLoadError
 from localspec.files import parse_json, read_user_text
+from localspec.registry import head_method
 from localspec.runtime.gguf_header import GGUFHeader, read_gguf_header
 from localspec.runtime.gguf_kquants import hf_module_name
 
@@ -174,8 +175,7 @@ def _safetensors_dtypes(folder: Path) -> Counter[str]:
 
 def _head_target(config: dict[str, object]) -> str | None:
     """The target a draft head's config names, or None for a model that is not a head."""
-    architectures = " ".join(str(a) for a in config.get("architectures") or [])
-    if "Eagle" in architectures or "Medusa" in architectures or "medusa_num_heads" in config:
+    if head_method(config) is not None:
         return str(config.get("base_model_name_or_path") or "unknown")
     return None
 

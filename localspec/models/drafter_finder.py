@@ -13,7 +13,8 @@ a padded GGUF and an unpadded folder of the same family are refused here as they
 load. A draft must also be smaller than its target (it runs k times a step).
 
 Besides draft models: the draft heads trained for this target (the built-in heads of
-``config.BUILTIN_HEADS``, and heads in the library whose config names it) and n-gram lookup,
+``config.BUILTIN_HEADS``, and heads in the library whose config names it), each of the method
+its files mark (``registry.head_method``: any registered head method), and n-gram lookup,
 which every target can use. Each choice carries the memory the whole preset would need here
 (``hardware.estimate_preset``) and whether it fits. ``make_preset`` writes one as a preset of
 the user's (``presets.save_user_preset``), which ``--preset NAME`` and the app's dropdown find.
@@ -41,6 +42,7 @@ from localspec.models.hardware import (
 )
 from localspec.models.library import LibraryEntry, find_entry, list_library
 from localspec.presets import builtin_head_folder, save_user_preset
+from localspec.registry import head_method
 from localspec.runtime.gguf_header import read_gguf_header
 
 _ADDED = (2, 3, 4)  # gguf.TokenType: UNKNOWN, CONTROL, USER_DEFINED
@@ -203,22 +205,16 @@ def _parameters(entry: LibraryEntry) -> int | None:
 
 
 def _head_method(folder: Path) -> str | None:
-    """eagle3, eagle or medusa, from a head's training.json or config.json."""
+    """The registered head method of a head folder, from its training.json or config.json
+    (``registry.head_method``)."""
     for name in ("training.json", "config.json"):
         try:
             data = json.loads((folder / name).read_text(encoding="utf-8"))
         except (OSError, ValueError):
             continue
-        if isinstance(data, dict) and data.get("method") in ("eagle3", "eagle", "medusa"):
-            return str(data["method"])
-        arch = " ".join(str(a) for a in (data.get("architectures") or [])) \
-            if isinstance(data, dict) else ""
-        if "Eagle3" in arch:
-            return "eagle3"
-        if "Eagle" in arch:
-            return "eagle"
-        if "Medusa" in arch or (isinstance(data, dict) and "medusa_num_heads" in data):
-            return "medusa"
+        method = head_method(data) if isinstance(data, dict) else None
+        if method is not None:
+            return method
     return None
 
 

@@ -1,6 +1,11 @@
 """New draft heads for a target: their shape, first weights, size, and the files the drafters'
 loaders read (``localspec.drafters.head_layouts``).
 
+What a head method does here is its ``HeadTrainer``, named by its registry entry
+(``registry.HeadSpec.trainer``) and imported by ``head_trainer``: the functions below read no
+method names, so a head method registered elsewhere (a test's toy) trains the same way. The
+shipped trainers are ``training.eagle_trainer`` (EAGLE, EAGLE-3) and ``training.medusa_trainer``.
+
 Shapes, sized for a budget (the head shipped for the bundled 1.5B must be <= 40 MB):
 
 - ``eagle``: ``fc`` [h, 2h], one decoder layer with ``attention_heads`` heads of the target's
@@ -31,26 +36,24 @@ are kept; a head that fuses other layers than this run's features is refused.
 
 from __future__ import annotations
 
+import importlib
 import json
-import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from localspec.drafters.eagle import eagle3_layers
-from localspec.drafters.eagle_head import EagleHead, EagleSpec, RMSNorm
 from localspec.drafters.head_files import read_head
-from localspec.drafters.head_layouts import load_eagle_head, load_medusa_heads
-from localspec.drafters.medusa import MedusaHeads
+from localspec.drafters.head_layouts import load_head
 from localspec.errors import ConfigError, ModelLoadError
+from localspec.registry import drafter_spec
 from localspec.training.target import FrozenTarget
 
 SAVE_DTYPE = torch.bfloat16
 WEIGHTS_FILE = "model.safetensors"
-INTERMEDIATE_RATIO = {"eagle": 5 / 3, "eagle3": 1 / 3}  # x hidden: 2560 and 512 for the 1.5B
 
 
 @dataclass(frozen=True)
@@ -63,22 +66,66 @@ class HeadShape:
     medusa_heads: int = 4
     medusa_layers: int = 1
 
-    def intermediate(self, method: str, hidden: int) -> int:
+    def intermediate(self, ratio: float, hidden: int) -> int:
+        """The MLP width: the user's, else ``ratio`` x ``hidden`` rounded to 16."""
         if self.intermediate_size:
             return self.intermediate_size
-        return max(16, round(hidden * INTERMEDIATE_RATIO[method] / 16) * 16)
+        return max(16, round(hidden * ratio / 16) * 16)
+
+
+class HeadTrainer(Protocol):
+    """What ``train-drafter`` needs of a head method (its ``HeadSpec.trainer``)."""
+
+    @property
+    def vocabulary_role(self) -> str:
+        """What the training vocabulary is to the head, for the log ("draft vocabulary")."""
+        ...
+
+    def feature_layers(self, num_layers: int) -> tuple[int, ...]:
+        """The target layers the head reads (runner numbering: ``num_layers`` is the final
+        normed state); ConfigError when the target cannot give them."""
+        ...
+
+    def new_head(self, target: FrozenTarget, shape: HeadShape, vocab_ids: torch.Tensor,
+                 seed: int) -> nn.Module:
+        """An untrained float32 head on the target's device, drawn from ``seed`` alone."""
+        ...
+
+    def trained_vocabulary(self, head: nn.Module, vocab_ids: torch.Tensor) -> torch.Tensor:
+        """A loaded head's own training vocabulary, else ``vocab_ids``."""
+        ...
+
+    def loss(self, head: nn.Module, target: FrozenTarget, features: torch.Tensor,
+             ids: torch.Tensor, labels: torch.Tensor, lm_rows: torch.Tensor | None,
+             to_subset: torch.Tensor, unroll: int) -> tuple[torch.Tensor, float]:
+        """(loss, top-1 accuracy of the first draft token) of a batch (``training.losses``'
+        indexing; ``lm_rows`` None when the head has an LM head of its own)."""
+        ...
+
+    def published_tensors(self, head: nn.Module, vocab_size: int) -> dict[str, torch.Tensor]:
+        """The head's tensors on the CPU under the names its loader reads."""
+        ...
+
+    def config(self, head: nn.Module, layers: tuple[int, ...],
+               target_name: str) -> dict[str, object]:
+        """config.json as its loader and ``registry.head_method`` read it."""
+        ...
+
+
+def head_trainer(method: str) -> HeadTrainer:
+    """The trainer ``method``'s registry entry names; ConfigError if it has none."""
+    head = drafter_spec(method).head
+    if head is None or head.trainer is None:
+        raise ConfigError(f"method '{method}' has no head train-drafter can train")
+    module, _, name = head.trainer.partition(":")
+    trainer: HeadTrainer = getattr(importlib.import_module(module), name)
+    return trainer
 
 
 def feature_layers(method: str, num_layers: int) -> tuple[int, ...]:
     """The target layers a head of ``method`` reads (runner numbering: ``num_layers`` is the
-    final normed state); ConfigError when the target is too shallow for EAGLE-3."""
-    if method != "eagle3":
-        return (num_layers,)
-    layers = eagle3_layers(num_layers)
-    if not all(0 <= i < num_layers for i in layers) or num_layers < 6:
-        raise ConfigError(f"EAGLE-3 fuses the target's layers 2, L/2 and L-3, and this target "
-                          f"has {num_layers} layers (at least 6 needed): use --method eagle")
-    return layers
+    final normed state); ConfigError when the target is too shallow for it."""
+    return head_trainer(method).feature_layers(num_layers)
 
 
 def vocabulary(chunks: list[list[int]], vocab_size: int, size: int) -> tuple[torch.Tensor, float]:
@@ -101,99 +148,40 @@ def vocabulary_coverage(chunks: list[list[int]], vocab_size: int, ids: torch.Ten
     return float(counts[ids.cpu()].sum()) / max(1, int(counts.sum()))
 
 
-def eagle_spec(method: str, config: object, shape: HeadShape, draft_vocab: int) -> EagleSpec:
-    base = EagleSpec.for_target(config, method, draft_vocab_size=draft_vocab)
-    heads = max(1, min(shape.attention_heads, base.num_heads))
-    kv = min(base.num_kv_heads, heads)
-    while heads % kv:
-        kv -= 1
-    return replace(base, intermediate_size=shape.intermediate(method, base.hidden_size),
-                   num_heads=heads, num_kv_heads=kv,
-                   target_hidden_size=base.hidden_size if method == "eagle3" else 0)
-
-
-def _uniform(shape: torch.Size, bound: float, generator: torch.Generator) -> torch.Tensor:
-    return (torch.rand(shape, generator=generator, device=generator.device) * 2 - 1) * bound
-
-
 def new_head(method: str, target: FrozenTarget, shape: HeadShape, vocab_ids: torch.Tensor,
-             seed: int) -> EagleHead | MedusaHeads:
+             seed: int) -> nn.Module:
     """An untrained float32 head for ``target`` on its device (see the module docstring)."""
-    device, h = target.device, target.hidden_size
-    if method == "medusa":
-        heads = MedusaHeads(h, target.vocab_size, shape.medusa_heads, shape.medusa_layers,
-                            own_lm_heads=False, truncated_vocab=len(vocab_ids), device=device)
-        heads.token_map.copy_(vocab_ids)
-        return heads.train()
-    spec = eagle_spec(method, target.runner.config, shape, len(vocab_ids))
-    # Built on "meta" and filled here: nn.Linear's own init would draw from the global RNG.
-    head = EagleHead(spec, device="meta").to_empty(device=device)
-    generator = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for name, module in head.named_modules():
-            if isinstance(module, nn.Linear):
-                small = 0.1 if name.endswith(("o_proj", "down_proj", "fc")) else 1.0
-                bound = small / math.sqrt(module.in_features)
-                module.weight.copy_(_uniform(module.weight.shape, bound, generator))
-                if module.bias is not None:
-                    module.bias.zero_()
-            elif isinstance(module, RMSNorm):
-                module.weight.fill_(1.0)
-        block = slice(h, 2 * h) if method == "eagle" else slice(2 * h, 3 * h)
-        head.fc.weight[:, block] += torch.eye(h, device=device)
-        if head.lm_head is not None:
-            head.lm_head.weight.copy_(target.lm_head_rows(vocab_ids))
-            head.d2t.copy_(vocab_ids.to(device) - torch.arange(len(vocab_ids), device=device))
-            norm = target.final_norm()
-            if norm is not None and head.norm is not None:
-                head.norm.weight.copy_(norm)
-    return head.train()
+    return head_trainer(method).new_head(target, shape, vocab_ids, seed)
 
 
 def initial_head(name: str, method: str, target: FrozenTarget, layers: tuple[int, ...],
-                 vocab_ids: torch.Tensor) -> tuple[EagleHead | MedusaHeads, torch.Tensor]:
+                 vocab_ids: torch.Tensor) -> tuple[nn.Module, torch.Tensor]:
     """The trained head ``name`` as a float32 head to train further, and its training
     vocabulary (its own draft vocabulary if it has one: EAGLE-3's, Medusa's ``token_map``;
     otherwise ``vocab_ids``)."""
-    files = read_head(name)
-    if method == "medusa":
-        head: EagleHead | MedusaHeads = load_medusa_heads(files, target.runner, torch.float32)
-        if head.token_map is not None:
-            vocab_ids = head.token_map.clone()
-    else:
-        head, fused = load_eagle_head(files, method, target.runner, torch.float32)
-        if fused is not None and tuple(fused) != tuple(layers):
-            raise ModelLoadError(f"--init {name}: it fuses target layers {list(fused)}, "
-                                 f"this run trains on layers {list(layers)}")
-        if head.lm_head is not None:
-            vocab_ids = head.d2t + torch.arange(len(head.d2t), device=head.d2t.device)
+    head, reads = load_head(read_head(name), method, target.runner, torch.float32)
+    if tuple(reads) != tuple(layers):
+        raise ModelLoadError(f"--init {name}: it fuses target layers {list(reads)}, "
+                             f"this run trains on layers {list(layers)}")
+    vocab_ids = head_trainer(method).trained_vocabulary(head, vocab_ids)
     head.requires_grad_(True)
     if getattr(head, "embed_tokens", None) is not None:  # a published head's own: kept
         head.embed_tokens.requires_grad_(False)
     return head.train(), vocab_ids
 
 
-def saved_tensors(head: EagleHead | MedusaHeads, method: str,
-                  vocab_size: int) -> dict[str, torch.Tensor]:
+def saved_tensors(head: nn.Module, method: str, vocab_size: int) -> dict[str, torch.Tensor]:
     """The head's tensors under the published names, floats in ``SAVE_DTYPE``."""
-    tensors = {}
-    for name, tensor in head.state_dict().items():
-        if method == "eagle3":
-            name = name.replace("layers.0.", "midlayer.", 1)
-        value = tensor.detach().cpu()
-        tensors[name] = (value.to(SAVE_DTYPE) if value.is_floating_point() else value).contiguous()
-    if method == "eagle3":
-        t2d = torch.zeros(vocab_size, dtype=torch.bool)
-        t2d[torch.arange(len(tensors["d2t"])) + tensors["d2t"]] = True
-        tensors["t2d"] = t2d
-    return tensors
+    tensors = head_trainer(method).published_tensors(head, vocab_size)
+    return {name: (value.to(SAVE_DTYPE) if value.is_floating_point() else value).contiguous()
+            for name, value in tensors.items()}
 
 
 def size_bytes(tensors: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def head_bytes(head: EagleHead | MedusaHeads, vocab_size: int) -> int:
+def head_bytes(head: nn.Module, vocab_size: int) -> int:
     """What ``save_head`` will write, from the shapes alone (a head on the "meta" device
     sizes a budget without allocating it): floats as ``SAVE_DTYPE``, EAGLE-3's t2d as bools."""
     total = 0
@@ -203,34 +191,13 @@ def head_bytes(head: EagleHead | MedusaHeads, vocab_size: int) -> int:
     return total + (vocab_size if getattr(head, "lm_head", None) is not None else 0)
 
 
-def head_config(head: EagleHead | MedusaHeads, method: str, layers: tuple[int, ...],
+def head_config(head: nn.Module, method: str, layers: tuple[int, ...],
                 target_name: str) -> dict[str, object]:
     """config.json as the published heads of ``method`` spell it."""
-    if isinstance(head, MedusaHeads):
-        config = {"architectures": ["MedusaModel"], "medusa_num_heads": head.num_heads,
-                  "medusa_num_layers": len(head.blocks[0].layers),
-                  "hidden_size": head.hidden_size, "vocab_size": head.vocab_size,
-                  "base_model_name_or_path": target_name}
-        if head.token_map is not None:
-            config["truncated_vocab_size"] = len(head.token_map)
-        return config
-    s = head.spec
-    config = {"architectures": ["LlamaForCausalLMEagle3" if method == "eagle3"
-                                else "LlamaForCausalLM"],
-              "model_type": "llama", "hidden_act": "silu", "hidden_size": s.hidden_size,
-              "intermediate_size": s.intermediate_size, "num_attention_heads": s.num_heads,
-              "num_key_value_heads": s.num_kv_heads, "head_dim": s.head_dim,
-              "num_hidden_layers": 1, "rms_norm_eps": s.rms_norm_eps, "vocab_size": s.vocab_size,
-              **dict(s.rope), "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-              "base_model_name_or_path": target_name}
-    if method == "eagle3":
-        config.update(draft_vocab_size=s.draft_vocab_size, target_hidden_size=s.hidden_size,
-                      eagle_config={"eagle_aux_hidden_state_layer_ids": list(layers),
-                                    "use_aux_hidden_state": True})
-    return config
+    return head_trainer(method).config(head, layers, target_name)
 
 
-def save_head(head: EagleHead | MedusaHeads, method: str, folder: Path, layers: tuple[int, ...],
+def save_head(head: nn.Module, method: str, folder: Path, layers: tuple[int, ...],
               target_name: str, vocab_size: int) -> int:
     """Write config.json and ``WEIGHTS_FILE`` into ``folder``; the weights' size in bytes."""
     tensors = saved_tensors(head, method, vocab_size)

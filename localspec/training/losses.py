@@ -29,7 +29,7 @@ import torch
 from torch.nn import functional as F
 
 from localspec.drafters.eagle_head import EagleHead
-from localspec.drafters.medusa import MedusaHeads
+from localspec.drafters.medusa_head import MedusaHeads
 
 STEP_DECAY = 0.8  # weight of unroll step d (and of Medusa head i): 0.8^d
 REGRESSION_WEIGHT, TOKEN_WEIGHT = 1.0, 0.1  # EAGLE-1's feature and token losses

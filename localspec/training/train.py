@@ -28,12 +28,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from localspec.drafters.eagle_head import EagleHead
-from localspec.drafters.medusa import MedusaHeads
 from localspec.errors import InputFileError
 from localspec.models.cache import Progress, no_progress
 from localspec.training.features import FeatureStore
-from localspec.training.losses import IGNORE, eagle_loss, medusa_loss
+from localspec.training.heads import head_trainer
+from localspec.training.losses import IGNORE
 from localspec.training.pace import Pace
 from localspec.training.target import FrozenTarget
 
@@ -172,14 +171,16 @@ def _batch(store: FeatureStore, paths: list[Path], config: TrainConfig, step: in
             torch.stack([c.labels for c in chunks]))
 
 
-def train(head: EagleHead | MedusaHeads, target: FrozenTarget, store: FeatureStore,
+def train(head: torch.nn.Module, target: FrozenTarget, store: FeatureStore,
           paths: list[Path], vocab_ids: torch.Tensor, config: TrainConfig,
           checkpoint: Checkpoint, identity: dict[str, object], resume: bool,
           progress: Progress = no_progress,
           log: Callable[[str], None] = logger.info) -> tuple[TrainResult, torch.Tensor]:
     """Train ``head`` in place up to ``config.steps`` (from the checkpoint when ``resume``);
-    the result and the training vocabulary (the checkpoint's when resumed)."""
+    the result and the training vocabulary (the checkpoint's when resumed). The loss is
+    ``config.method``'s trainer's (``heads.head_trainer``)."""
     device = target.device
+    trainer = head_trainer(config.method)
     params = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr, betas=BETAS,
                                   weight_decay=config.weight_decay)
@@ -202,11 +203,8 @@ def train(head: EagleHead | MedusaHeads, target: FrozenTarget, store: FeatureSto
             for group in optimizer.param_groups:
                 group["lr"] = config.lr_at(step)
             features, ids, labels = _batch(store, paths, config, step, device)
-            if isinstance(head, MedusaHeads):
-                loss, accuracy = medusa_loss(head, features, labels, lm_rows, to_subset)
-            else:
-                loss, accuracy = eagle_loss(head, features, ids, labels, target.embed(ids),
-                                            lm_rows, to_subset, config.unroll)
+            loss, accuracy = trainer.loss(head, target, features, ids, labels, lm_rows,
+                                          to_subset, config.unroll)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, GRAD_CLIP)
