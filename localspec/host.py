@@ -12,8 +12,9 @@ Every generation runs on the host's one engine thread (``on_engine``), whichever
 for it (Gradio's workers, the API's): the CPU kernels and torch run on OpenMP, whose worker
 threads spin briefly between parallel regions, but once the process holds more OpenMP threads
 than cores (each thread that has run a parallel region keeps a pool of its own while it lives)
-they sleep at once and every region wakes them. Measured on SmolLM2, 2 cores: 63-70 tok/s on
-one thread, 26-32 tok/s when successive answers ran on different long-lived worker threads.
+they sleep at once and every region wakes them: successive answers on different long-lived
+worker threads decoded at less than half the speed of answers on one thread
+(docs/research-log.md).
 
 Nothing here renders or knows Gradio.
 """

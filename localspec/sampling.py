@@ -62,8 +62,9 @@ def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     first token always stays); the others -inf.
 
     The nucleus is looked for among the best ``NUCLEUS_FIRST`` tokens (``topk``), 8x more while
-    some row's candidates hold less than ``top_p``: sorting all of a 152k vocabulary took
-    14 ms a row on a 2-core EPYC, the whole warp this way ~1.3 ms. Once the candidates hold
+    some row's candidates hold less than ``top_p``: sorting all of a 152k vocabulary costs
+    every row many times what this costs the whole warp (docs/research-log.md). Once the
+    candidates hold
     ``top_p``, no token after them can be in the prefix, so the cut is the full sort's."""
     vocab = logits.shape[-1]
     log_total = torch.logsumexp(logits, dim=-1, keepdim=True)
@@ -81,8 +82,9 @@ def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
     """One draw from a [vocab] distribution (its mass need not be 1), by the inverse of its
-    float64 CDF: ``torch.multinomial`` took 4.1 ms over a 152k row on a 2-core EPYC, this
-    0.2 ms. A token without mass is never drawn (``right=True`` skips its flat step)."""
+    float64 CDF: ``torch.multinomial`` over a 152k row costs many times more
+    (docs/research-log.md). A token without mass is never drawn (``right=True`` skips its flat
+    step)."""
     cdf = probs.double().cumsum(dim=-1)
     total = float(cdf[-1])
     if not total > 0:

@@ -9,9 +9,9 @@ head of its own (or, in the earliest checkpoints, the target's). A draft costs K
 and no pass of any model, so its heads cannot see the drafts before them: acceptance falls
 with the head index. ``token_map`` (vLLM's name) cuts the vocabulary a head guesses from to
 the ids it lists: the rows of its own LM heads, or of the target's when it has none (the heads
-this project trains: on this 2-core CPU the 1.5B's full head costs 7.6 ms a draft, a
-4,096-row cut of it 0.7 ms and a head's block 0.3 ms, and those heads are trained over exactly
-that cut). The features come from the
+this project trains: the target's full head costs each draft a read of its whole vocabulary, a
+4,096-row cut of it a small fraction of that (docs/heads.md), and those heads are trained over
+exactly that cut). The features come from the
 target's verify pass through ``ModelRunner.record_features`` (its final normed output, what
 the LM head reads).
 

@@ -4,9 +4,8 @@ Looks for the most recent earlier occurrence of the context's last n tokens, try
 ``prompt_lookup_max`` down to ``prompt_lookup_min`` (longest match first, as vLLM does), and
 proposes the tokens that followed it: up to k of them, but at most SINGLE_TOKEN_MATCH_DRAFTS
 after a match of one token (a newline, a space: weak evidence for a long copy, and a wrong long
-draft costs a verify pass over all of it; replaying the bench prompts' greedy outputs through
-adaptive k and this machine's pass costs, it gave 24.3 -> 25.3 tok/s over the six, 27.0 ->
-29.6 on the second code edit, and lost on none). Costs no model pass, so it shines when the
+draft costs a verify pass over all of it; the replay that set the cap is in
+docs/research-log.md). Costs no model pass, so it shines when the
 answer repeats the prompt (code editing, summaries quoting the source) and proposes nothing
 otherwise.
 Deterministic: ``q_draft`` is None (a one-hot draft).
@@ -22,9 +21,9 @@ from localspec.engine.drafter import Drafter, DrafterTraits, Outlook, Proposal
 from localspec.sampling import SamplingParams
 
 SINGLE_TOKEN_MATCH_DRAFTS = 3
-# A match this long is a copy under way (``NgramDrafter.sure``'s second grade): on the bench
-# prompts' answers, a match of 4-9 tokens was followed by a kept guess 71-79% of the time, one
-# of 10 or more 98% (docs/research-log.md).
+# A match this long is a copy under way (``NgramDrafter.sure``'s second grade): the longer the
+# match, the likelier its next guess is kept, and past a few tokens it is kept almost always
+# (docs/research-log.md, "Lookup's evidence in two grades").
 LONG_MATCH = 8
 
 
@@ -76,8 +75,8 @@ class NgramDrafter(Drafter):
 
     def sure(self, context: list[int]) -> int:
         """1 when the context's last ``prompt_lookup_max`` tokens occurred before: the next
-        guess copies a long match (on the bench prompts' answers such a guess was accepted 90%
-        of the time, one after a one-token match 28%), so adaptive k may probe it at once; 2
+        guess copies a long match (kept far more often than a guess after a one-token match;
+        docs/research-log.md), so adaptive k may probe it at once; 2
         when that occurrence's match reaches back ``LONG_MATCH`` tokens, a copy under way; else
         0."""
         tokens = np.asarray(context, dtype=np.int64)

@@ -13,7 +13,7 @@ when long drafts pay. We estimate
     kept over earlier requests where its ``Calibration`` has judged enough of them (weighing
     LEARNT_PRIOR_WEIGHT steps), else 0.7 (weighing 2). A chat reply's first guesses are its
     least predictable; with the weak prior alone one early miss kept a draft model resting
-    through replies where it would have been kept two times in three (docs/research-log.md);
+    through replies where most of its guesses would have been kept (docs/research-log.md);
   * c_draft from measured draft time per drafted token;
   * c_verify(n) = a + b * n from measured verify times, by least squares with forgetting (one
     line through all widths: a price per width measured alone drafts more on chat, where
@@ -47,8 +47,8 @@ PROBE_BUDGET = 0.5  # a probe step costs at most this share more than a plain st
 STALL_FACTOR = 3.0  # a measured time counts as at most this many times its estimate
 FIRST_K = 4  # drafts of the first step, before anything is measured
 # Drafting must promise this much more than plain decoding: estimates err, and a draft step
-# that merely breaks even loses to plain once its errors are paid (a chat reply at 50%
-# acceptance drafted one token every few steps and ran at 0.93x plain).
+# that merely breaks even loses to plain once its errors are paid (a chat reply at middling
+# acceptance, drafting one token every few steps, ran slower than plain; docs/research-log.md).
 DRAFT_MARGIN = 0.05
 # The weight, in steps, of a drafter's kept share over earlier requests (``Calibration``) as
 # the prior of its acceptance in this answer; without one, ``alpha_prior`` weighs 2 steps.

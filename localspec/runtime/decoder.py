@@ -17,8 +17,8 @@ In int8, the down projection's input (SiLU(gate) * up: heavy-tailed, a few chann
 larger than the rest) is first turned by a block Hadamard rotation, and the weight by the same
 one offline, so the product is unchanged in exact arithmetic; the rotation spreads each
 outlier over a block, and per-token int8 then keeps the other channels' precision (QuaRot's
-online rotation): top-1 agreement with bf16 goes from 96.8% without it to 97.8% on the quality
-texts (docs/models.md).
+online rotation): it is what brings top-1 agreement with bf16 on the quality texts up to the
+goal (docs/models.md).
 
 The residual stream and norms run in float32 (cheap for the few rows a decode step feeds);
 keys and values are stored in the model's dtype. The weights are taken from a loaded
@@ -154,8 +154,8 @@ class CpuDecoder:
                           down_rotated=rotation is not None and isinstance(down, W8A8Linear),
                           q_norm=q_norm, k_norm=k_norm)
 
-        # oneDNN packs a weight on about one core (0.1 s for a 1.5B gate/up) and lets go of the
-        # GIL meanwhile: layers packed side by side (1.5B: 3.7 s, one at a time 3.9-5.2 s).
+        # oneDNN packs a weight on about one core and lets go of the GIL meanwhile, so layers
+        # are packed side by side (docs/research-log.md).
         with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
             self.layers = list(pool.map(layer, range(config.num_hidden_layers)))
         self.head_dim = int(first.head_dim)
@@ -261,8 +261,8 @@ class CpuDecoder:
         """``forward_features`` of a long feed (a prompt, a catch-up) through the native stack,
         ROW_ATTENTION_MAX rows a call. Each row's result there does not depend on the other
         rows of its call, so the cache and outputs are those of feeding the rows one at a time
-        (as decoding does); it is also faster than the tensor calls and masked SDPA (1.5B, 2 cores:
-        5.2 against 5.6 ms a token at 179 tokens, 6.3 against 7.4 at 426)."""
+        (as decoding does); it is also faster than the tensor calls and masked SDPA
+        (docs/design.md)."""
         pieces = [self.forward_features(ids[at:at + ROW_ATTENTION_MAX], cache, start + at, layers)
                   for at in range(0, ids.shape[0], ROW_ATTENTION_MAX)]
         hidden = torch.cat([h for h, _ in pieces])

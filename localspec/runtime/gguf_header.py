@@ -1,8 +1,8 @@
 """A GGUF file's header: its metadata and tensor table, read without touching the weights.
 
 The ``gguf`` package's ``GGUFReader`` parses every array element into a Python object of its
-own, so opening the built-in 1.5B's header (151,936 tokens and as many merges) takes 11-20 s
-here; the model library lists many files and wants milliseconds. This reader walks the same
+own, so opening the built-in 1.5B's header (151,936 tokens and as many merges) takes many
+seconds; the model library lists many files and wants milliseconds. This reader walks the same
 format (GGUF v2 and v3, little-endian: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md)
 with ``struct`` over a memory map, keeps scalars and the arrays asked for, skips the rest, and
 takes the types' names and block sizes from the ``gguf`` package, so no table is copied here.

@@ -3,8 +3,9 @@
 
 Why: with the weights in the Q4_K / Q6_K kernels, what is left of a step in Python is the glue
 between them: about 35 tensor calls a layer (norms, RoPE, cache writes, attention, SwiGLU,
-residual adds), each a few microseconds of dispatch for a few thousand numbers: about 9 ms of
-a 1.5B one-token step, 20 ms of a 16-token verify pass, and more of a 0.5B draft's step. The
+residual adds), each a few microseconds of dispatch for a few thousand numbers, which adds up
+to a sizeable share of a one-token step and of a verify pass, and more of a small draft's step
+(docs/research-log.md). The
 C function does the same work row by row in a fixed order, so a verify pass stays
 bit-identical to one-token steps (tests check it), as the Python loop's per-row attention
 does.

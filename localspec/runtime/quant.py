@@ -8,7 +8,8 @@ which other rows share the call. A verify pass over k+1 tokens then computes, bi
 k+1 one-token steps compute, so speculation stays exactly lossless against the quantized model.
 fbgemm's dynamic quantization (``torch.ao``) uses one activation scale per *tensor* instead:
 its output for a token changes with the tokens beside it, and Qwen2.5's outlier activations
-crush everything else in the tensor onto a few levels (top-1 agreement with bf16: 68%).
+crush everything else in the tensor onto a few levels (its top-1 agreement with bf16 falls
+far below per-row quantization's; docs/research-log.md).
 
 ``Q4KLinear`` reads a third of those bytes for matrices a GGUF file stores as Q4_K: its weights
 exactly as the file has them, times int8 activations with one scale per group of 32, in a

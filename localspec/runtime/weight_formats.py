@@ -56,7 +56,8 @@ from localspec.runtime.quant import (
 # Up to this many new tokens, each query row attends in a call of its own over exactly the keys
 # it may see. A masked batch would sum over a longer, zero-padded row, and float sums of another
 # length round differently: a verify pass must compute each token bit for bit as the one-token
-# step of plain decoding does (measured: 2 of 6 real prompts diverged at a near-tie without it).
+# step of plain decoding does (without it, real prompts diverged at near-ties;
+# docs/research-log.md).
 # Rotations, too, go row by row up to this many rows.
 ROW_ATTENTION_MAX = 128
 ROTATION_BLOCK = 256  # the largest Hadamard block the down projection's input is turned by
@@ -285,7 +286,8 @@ class _PaddedRows:
 
 
 # Rows of a cut head quantized at a time: the float rows of the 0.5B's 64k-row cut are 235 MB,
-# and quantized whole they took 4.3 s and 1.1 GB more at the peak (8,192 at a time: 0.5 s, 0.3 GB).
+# and quantizing them whole multiplies the load's peak memory and time; in chunks both stay
+# small (docs/research-log.md, "A draft's cut head in Q4_0").
 CUT_CHUNK = 8192
 
 
@@ -294,11 +296,10 @@ def cut_linear(rows_of: Callable[[torch.Tensor], torch.Tensor], ids: torch.Tenso
     """A draft's LM head cut to token ``ids`` in Q4_0 for the native kernel; ``rows_of(ids)``
     gives those rows as float32 [n, hidden] (``LMHead.rows``).
 
-    The head is a small draft model's largest matmul, and at one row it is all memory traffic:
-    at the 0.5B's 64k-row cut (2-core EPYC, one row called in a loop) oneDNN's int8 took
-    2.49 ms, the native Q8_0 kernel 1.09 ms and Q4_0 0.63 ms, while the draft's next-token
-    agreement with the 1.5B target (3,890 positions of its answers) went from 79.28% to 79.13%;
-    end to end, draft_model decoded 11% faster and auto 7% (docs/research-log.md). The rows are
+    The head is a small draft model's largest matmul, and at one row it is all memory traffic,
+    so Q4_0's fewer bytes make it several times faster than oneDNN's int8; a draft only
+    guesses, and Q4_0 hardly moves its guesses (docs/research-log.md, "A draft's cut head in
+    Q4_0"). The rows are
     padded to whole 16-row blocks with copies of the last one, whose outputs are dropped. A
     width the kernels cannot take stays int8."""
     if rows_of(ids[:1]).shape[1] % GROUP:

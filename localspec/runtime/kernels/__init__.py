@@ -4,16 +4,16 @@ compiler and loaded with ctypes.
 Why a kernel of our own: on a 2-core CPU a decode step reads every weight once, so its time is
 the bytes read. The built-in target's GGUF stores most matrices as Q4_K (4.5 bits a weight);
 served as int8 it reads 1.8x the bytes. PyTorch's CPU int4 kernel
-(``_weight_int4pack_mm_for_cpu``) takes float activations and costs 8x more at 16 rows than at
-one, which ruins verification, and torchao's W4A8 CPU kernels are not in its PyPI wheel. So
-``kquant_matmul.c`` multiplies Q4_K weights, exactly as the file holds them, by int8
-activations, flat up to several rows and bit-identical whatever the number of rows; it does the
-same for the file's Q6_K matrices (the LM head, half the v and down projections of a Q4_K_M
-file), which int8 would read at 8 bits instead of 6.6. ``attention.c`` attends new rows (a
+(``_weight_int4pack_mm_for_cpu``) takes float activations and costs several times more at 16
+rows than at one, which ruins verification, and torchao's W4A8 CPU kernels are not in its PyPI
+wheel. So ``kquant_matmul.c`` multiplies Q4_K weights, exactly as the file holds them, by
+int8 activations, flat up to several rows and bit-identical whatever the number of rows; it
+does the same for the file's Q6_K matrices (the LM head, half the v and down projections of a
+Q4_K_M file), which int8 would read at 8 bits instead of 6.6. ``attention.c`` attends new rows (a
 chain, or a draft tree) over a bf16 KV cache (``RowAttention``) and ``decoder_stack.c`` runs
 the whole decoder stack in one call (``decoder_forward``, used by
 ``localspec.runtime.native``): with the matrices this fast, the tensor calls between them from
-Python would be a sixth of a step.
+Python would be a sizeable share of a step (docs/research-log.md).
 
 Modules: ``library`` builds and loads the library (variants, CPU features, the cache),
 ``abi`` mirrors its C interface for ctypes and checks it, ``row_attention`` wraps

@@ -48,9 +48,8 @@ CFLAGS = ("-O3", "-fPIC", "-shared", "-std=c11", "-ffp-contract=off", "-fvisibil
           "-Wno-unknown-pragmas")
 OPENMP = ("-fopenmp",)  # left out where the compiler has no OpenMP: the same bits, one thread
 PORTABLE = "portable"
-# Measured on a 2-core AMD EPYC, one thread, the 1.5B target (w4a8): a one-token step took
-# 31 ms with AVX-512, 43 ms with AVX2 and 533 ms portable (x86 without -mfma: every fused
-# multiply-add emulated, vec16.h's fma32); a 16-token pass 98 ms, 322 ms and 5.1 s.
+# What the warnings tell a user the portable build costs: on x86 without -mfma every fused
+# multiply-add is emulated (vec16.h's fma32); the measurement is in docs/research-log.md.
 PORTABLE_COST = "about 12x slower than AVX2 per one-token step and 16x per 16-token pass on x86"
 # Machines whose baseline instruction set has no fused multiply-add: the portable build
 # emulates each one there, slower than the int8 path a w4a8 preset otherwise falls back to.
