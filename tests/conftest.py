@@ -8,6 +8,8 @@ seconds on two CPU cores.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,6 +30,9 @@ from localspec.runtime.runner import ModelRunner
 
 if TYPE_CHECKING:
     from localspec.ui.app import ChatApp
+
+# The fast lane's marks (lanes.py) and the shared folders and kernels (shared_fixtures.py).
+pytest_plugins = ["lanes", "shared_fixtures"]
 
 VOCAB = 97
 PADDED_VOCAB = 101
@@ -298,14 +303,17 @@ def no_loading(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Pipeline, "load", refuse)
 
 
-def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    """main(args) in-process: (exit status, stdout, stderr); argparse's exits included."""
-    try:
-        code = main(list(args))
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
+def run_cli(capsys: pytest.CaptureFixture[str] | None, *args: str) -> tuple[int, str, str]:
+    """main(args) in-process: (exit status, stdout, stderr); argparse's exits included. Without
+    ``capsys`` the output is captured here."""
+    out, err = io.StringIO(), io.StringIO()
+    with (contextlib.nullcontext() if capsys else contextlib.redirect_stdout(out),
+          contextlib.nullcontext() if capsys else contextlib.redirect_stderr(err)):
+        try:
+            code = main(list(args))
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    return (code, *capsys.readouterr()) if capsys else (code, out.getvalue(), err.getvalue())
 
 
 def assert_user_error(result: tuple[int, str, str], *needles: str) -> None:

@@ -23,12 +23,7 @@ from localspec.presets import load_preset
 
 REPO = Path(__file__).resolve().parent.parent
 
-@pytest.fixture(autouse=True)
-def _own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Crash logs (and anything else cached) go to this test's folder."""
-    cache = tmp_path / "cache"
-    monkeypatch.setenv("LOCALSPEC_CACHE", str(cache))
-    return cache
+pytestmark = pytest.mark.usefixtures("own_cache")  # crash logs go there too
 
 
 # ----------------------------------------------------------------------------- generate flags
@@ -248,14 +243,14 @@ def _boom(_args: object) -> int:
 
 def test_internal_error_is_logged_not_shown(capsys: pytest.CaptureFixture[str],
                                             monkeypatch: pytest.MonkeyPatch,
-                                            _own_cache: Path) -> None:
+                                            own_cache: Path) -> None:
     monkeypatch.setattr("localspec.cli.main._cmd_presets", _boom)
     code, _, err = run_cli(capsys, "presets")
     assert code == 1 and "Traceback" not in err
     line = err.strip()
     assert line.startswith("localspec: internal error: RuntimeError: boom (details: ")
     log = Path(line.removesuffix(")").rsplit("(details: ", 1)[1])
-    assert log.parent == _own_cache / "logs"
+    assert log.parent == own_cache / "logs"
     text = log.read_text(encoding="utf-8")
     assert "Traceback" in text and "second line" in text and "_boom" in text
 
