@@ -2,8 +2,12 @@
 presets, and the app over them.
 
 No real checkpoint is ever loaded here. The random models are scaled so that their logits are
-peaked (stable greedy argmaxes, informative sampling) and kept tiny so the whole suite runs in
-seconds on two CPU cores.
+peaked (stable greedy argmaxes, informative sampling) and kept tiny (one thread each) so that a
+test over them takes well under a second.
+
+Two lanes (lanes.py): ``python3 -m pytest`` runs everything, as CI does, in about 20 minutes on
+two CPU cores (the built-in models, a real browser, kernel builds from scratch, subprocesses);
+``python3 -m pytest -m "not slow"`` leaves those out and runs in a few minutes.
 """
 
 from __future__ import annotations
