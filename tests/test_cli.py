@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -285,6 +286,17 @@ def _python(code: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "LOCALSPEC_CACHE": str(tmp_path / "cache")}
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           cwd=REPO, env=env, timeout=300)
+
+
+def test_python_m_localspec_runs_the_cli(monkeypatch: pytest.MonkeyPatch,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m localspec`` is the CLI, exit status included (in-process: the fast lane's
+    check; the real process is the next test's)."""
+    monkeypatch.setattr(sys, "argv", ["localspec", "presets", "--json"])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_module("localspec", run_name="__main__")
+    assert exit_.value.code == 0
+    assert json.loads(capsys.readouterr().out)
 
 
 def test_subprocess_stderr_has_no_traceback(presets: dict[str, str], tmp_path: Path) -> None:
