@@ -2,12 +2,18 @@
 presets, and the app over them.
 
 No real checkpoint is ever loaded here. The random models are scaled so that their logits are
-peaked (stable greedy argmaxes, informative sampling) and kept tiny so the whole suite runs in
-seconds on two CPU cores.
+peaked (stable greedy argmaxes, informative sampling) and kept tiny (one thread each) so that a
+test over them takes well under a second.
+
+Two lanes (lanes.py): ``python3 -m pytest`` runs everything, as CI does, in about 20 minutes on
+two CPU cores (the built-in models, a real browser, kernel builds from scratch, subprocesses);
+``python3 -m pytest -m "not slow"`` leaves those out and runs in a few minutes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,6 +33,9 @@ from localspec.runtime.runner import ModelRunner
 
 if TYPE_CHECKING:
     from localspec.ui.app import ChatApp
+
+# The fast lane's marks (lanes.py) and the shared folders and kernels (shared_fixtures.py).
+pytest_plugins = ["lanes", "shared_fixtures"]
 
 VOCAB = 97
 PADDED_VOCAB = 101
@@ -297,14 +306,17 @@ def no_loading(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Pipeline, "load", refuse)
 
 
-def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    """main(args) in-process: (exit status, stdout, stderr); argparse's exits included."""
-    try:
-        code = main(list(args))
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
+def run_cli(capsys: pytest.CaptureFixture[str] | None, *args: str) -> tuple[int, str, str]:
+    """main(args) in-process: (exit status, stdout, stderr); argparse's exits included. Without
+    ``capsys`` the output is captured here."""
+    out, err = io.StringIO(), io.StringIO()
+    with (contextlib.nullcontext() if capsys else contextlib.redirect_stdout(out),
+          contextlib.nullcontext() if capsys else contextlib.redirect_stderr(err)):
+        try:
+            code = main(list(args))
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    return (code, *capsys.readouterr()) if capsys else (code, out.getvalue(), err.getvalue())
 
 
 def assert_user_error(result: tuple[int, str, str], *needles: str) -> None:

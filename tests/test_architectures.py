@@ -35,7 +35,7 @@ from localspec.config import ModelSpec
 from localspec.errors import ModelLoadError
 from localspec.models.loading import load_model
 from localspec.runtime.decoder import CpuDecoder, unsupported_reason
-from localspec.runtime.kernels import KernelUnavailable, Q4KWeights, load_kernels, quantize_q4k
+from localspec.runtime.kernels import Q4KWeights, quantize_q4k
 from localspec.runtime.runner import ModelRunner
 from localspec.runtime.weight_formats import export_weights
 
@@ -89,12 +89,12 @@ def hf_logits(model: PreTrainedModel, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0].float()
 
 
-def served(model: PreTrainedModel, kind: str, lib: object | None = None,
+def served(model: PreTrainedModel, kind: str, kernels: object | None = None,
            q4k: dict[str, Q4KWeights] | None = None,
            dtype: torch.dtype = torch.float32) -> ModelRunner:
     """A runner over a CpuDecoder of a copy of ``model`` (the decoder empties what it takes)."""
     taken = copy.deepcopy(model).to(dtype)
-    decoder = CpuDecoder(taken, kind, export_weights(taken, kind, q4k), lib)
+    decoder = CpuDecoder(taken, kind, export_weights(taken, kind, q4k), kernels)
     return ModelRunner(taken, decoder=decoder)
 
 
@@ -134,17 +134,7 @@ def relative_error(logits: torch.Tensor, reference: torch.Tensor) -> float:
     return float((logits - reference).norm() / reference.norm())
 
 
-@pytest.fixture(scope="module")
-def lib(tmp_path_factory: pytest.TempPathFactory) -> object:
-    try:
-        return load_kernels(tmp_path_factory.mktemp("kernels"))
-    except KernelUnavailable as exc:
-        pytest.skip(f"no Q4_K kernel here: {exc}")
-
-
-@pytest.fixture(autouse=True)
-def _private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LOCALSPEC_CACHE", str(tmp_path / "localspec-cache"))
+pytestmark = pytest.mark.usefixtures("own_cache")
 
 
 @pytest.mark.parametrize("architecture", list(CONFIGS))
@@ -224,7 +214,7 @@ def _q4k_exact(model: PreTrainedModel) -> dict[str, Q4KWeights]:
 
 
 @pytest.mark.parametrize("architecture", list(CONFIGS))
-def test_w4a8_native_stack_follows_transformers(architecture: str, lib: object) -> None:
+def test_w4a8_native_stack_follows_transformers(architecture: str, kernels: object) -> None:
     """The native stack (Q4_K products, the C norms, RoPE and attention over a bf16 cache)
     runs every layer of each architecture and follows transformers' float32 forward of the
     same Q4_K weights: relative logit error under LIMIT, transformers' greedy tokens picked
@@ -232,7 +222,7 @@ def test_w4a8_native_stack_follows_transformers(architecture: str, lib: object) 
     speculation lossless)."""
     model = tiny_model(architecture)
     q4k = _q4k_exact(model)
-    runner = served(model, "w4a8", lib, q4k, dtype=torch.bfloat16)
+    runner = served(model, "w4a8", kernels, q4k, dtype=torch.bfloat16)
     assert runner.decoder.native is not None  # every layer Q4_K, all in one native call
     ids = tokens(40, seed=5)
     reference = hf_logits(model, ids)

@@ -17,10 +17,7 @@ from localspec.models.loading import load_model
 from localspec.runtime import gguf_header
 from localspec.runtime.gguf_header import read_gguf_header, read_gguf_header_parts
 
-
-@pytest.fixture(autouse=True)
-def isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LOCALSPEC_CACHE", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("own_cache")
 
 
 def test_assembled_gguf_is_released_once_packed_and_never_assembled_again(

@@ -29,9 +29,8 @@ from localspec.models.loading import audit_cache, load_model
 
 
 @pytest.fixture(autouse=True)
-def isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def isolated(own_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """No real cache is touched and relative names resolve in an empty directory."""
-    monkeypatch.setenv("LOCALSPEC_CACHE", str(tmp_path / "localspec-cache"))
     monkeypatch.chdir(tmp_path)
 
 

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import assert_user_error
+from conftest import assert_user_error, run_cli
 from library_files import write_gguf
 from model_files import fake_builtin
 
@@ -17,31 +17,11 @@ from localspec.models import cache_use
 from localspec.models.cache import assemble_builtin
 from localspec.models.loading import load_model
 
-
-@pytest.fixture(autouse=True)
-def own_folders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A cache, data and models folder of the test's own and an empty Hugging Face cache."""
-    from huggingface_hub import constants
-
-    monkeypatch.setenv("LOCALSPEC_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv("LOCALSPEC_DATA", str(tmp_path / "data"))
-    monkeypatch.setenv("LOCALSPEC_MODELS", str(tmp_path / "models"))
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf"))
+pytestmark = pytest.mark.usefixtures("own_folders")
 
 
 def run_models(*args: str) -> tuple[int, str, str]:
-    import contextlib
-    import io
-
-    from localspec.cli.main import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(["models", *args])
-        except SystemExit as exc:
-            code = int(exc.code or 0)
-    return code, out.getvalue(), err.getvalue()
+    return run_cli(None, "models", *args)
 
 
 def listed(name: str) -> dict[str, int]:

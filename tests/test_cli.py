@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -23,12 +24,7 @@ from localspec.presets import load_preset
 
 REPO = Path(__file__).resolve().parent.parent
 
-@pytest.fixture(autouse=True)
-def _own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Crash logs (and anything else cached) go to this test's folder."""
-    cache = tmp_path / "cache"
-    monkeypatch.setenv("LOCALSPEC_CACHE", str(cache))
-    return cache
+pytestmark = pytest.mark.usefixtures("own_cache")  # crash logs go there too
 
 
 # ----------------------------------------------------------------------------- generate flags
@@ -248,14 +244,14 @@ def _boom(_args: object) -> int:
 
 def test_internal_error_is_logged_not_shown(capsys: pytest.CaptureFixture[str],
                                             monkeypatch: pytest.MonkeyPatch,
-                                            _own_cache: Path) -> None:
+                                            own_cache: Path) -> None:
     monkeypatch.setattr("localspec.cli.main._cmd_presets", _boom)
     code, _, err = run_cli(capsys, "presets")
     assert code == 1 and "Traceback" not in err
     line = err.strip()
     assert line.startswith("localspec: internal error: RuntimeError: boom (details: ")
     log = Path(line.removesuffix(")").rsplit("(details: ", 1)[1])
-    assert log.parent == _own_cache / "logs"
+    assert log.parent == own_cache / "logs"
     text = log.read_text(encoding="utf-8")
     assert "Traceback" in text and "second line" in text and "_boom" in text
 
@@ -290,6 +286,17 @@ def _python(code: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "LOCALSPEC_CACHE": str(tmp_path / "cache")}
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           cwd=REPO, env=env, timeout=300)
+
+
+def test_python_m_localspec_runs_the_cli(monkeypatch: pytest.MonkeyPatch,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m localspec`` is the CLI, exit status included (in-process: the fast lane's
+    check; the real process is the next test's)."""
+    monkeypatch.setattr(sys, "argv", ["localspec", "presets", "--json"])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_module("localspec", run_name="__main__")
+    assert exit_.value.code == 0
+    assert json.loads(capsys.readouterr().out)
 
 
 def test_subprocess_stderr_has_no_traceback(presets: dict[str, str], tmp_path: Path) -> None:

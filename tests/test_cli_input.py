@@ -24,12 +24,7 @@ from localspec.training.prompts import load_prompts
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(autouse=True)
-def _own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Crash logs (and anything else cached) go to this test's folder."""
-    cache = tmp_path / "cache"
-    monkeypatch.setenv("LOCALSPEC_CACHE", str(cache))
-    return cache
+pytestmark = pytest.mark.usefixtures("own_cache")  # crash logs go there too
 
 
 def _env(tmp_path: Path) -> dict[str, str]:
@@ -231,7 +226,7 @@ class Unprintable(Exception):
     (Unprintable(), "Unprintable"),
 ], ids=["surrogates", "unprintable"])
 def test_crash_log_takes_any_exception(capsys: pytest.CaptureFixture[str],
-                                       monkeypatch: pytest.MonkeyPatch, _own_cache: Path,
+                                       monkeypatch: pytest.MonkeyPatch, own_cache: Path,
                                        error: Exception, summary: str) -> None:
     """The crash logger cannot crash: any message (lone surrogates, a __str__ that raises)
     gives one line naming the log, and the log holds the traceback."""
@@ -243,7 +238,7 @@ def test_crash_log_takes_any_exception(capsys: pytest.CaptureFixture[str],
     code, _, err = run_cli(capsys, "presets")
     assert code == 1 and "Traceback" not in err, err
     assert err.startswith(f"localspec: internal error: {summary} (details: "), err
-    (log,) = (_own_cache / "logs").glob("crash-*.log")
+    (log,) = (own_cache / "logs").glob("crash-*.log")
     assert "Traceback" in log.read_text(encoding="utf-8")
 
 

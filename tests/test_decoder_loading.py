@@ -27,11 +27,8 @@ from localspec.models.loading import load_model
 from localspec.runtime.decoder import CpuDecoder, unsupported_reason
 from localspec.runtime.runner import ModelRunner
 
-
-@pytest.fixture(autouse=True)
-def _private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """load_model stores w8a8 weights under the cache root: keep them out of the user's."""
-    monkeypatch.setenv("LOCALSPEC_CACHE", str(tmp_path / "localspec-cache"))
+# load_model stores w8a8 weights under the cache root: keep them out of the user's
+pytestmark = pytest.mark.usefixtures("own_cache")
 
 
 def _tiny_gpt2() -> PreTrainedModel:

@@ -22,16 +22,10 @@ BIG = Hardware(2, 64 * GIB, 32 * GIB)
 
 
 @pytest.fixture(autouse=True)
-def library(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def library(own_folders: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """An empty library and cache of this test's own (no built-in models listed)."""
-    from huggingface_hub import constants
-
-    monkeypatch.setenv("LOCALSPEC_DATA", str(tmp_path / "data"))
-    monkeypatch.setenv("LOCALSPEC_MODELS", str(tmp_path / "models"))
-    monkeypatch.setenv("LOCALSPEC_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf"))
     monkeypatch.setattr("localspec.models.library.builtin_entries", list)
-    return tmp_path
+    return own_folders
 
 
 @pytest.fixture

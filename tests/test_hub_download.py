@@ -56,13 +56,10 @@ def point_at(monkeypatch: pytest.MonkeyPatch, url: str) -> None:
 
 
 @pytest.fixture
-def models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """An empty models folder (and data folder, Hugging Face cache; no built-in models)."""
-    monkeypatch.setenv("LOCALSPEC_MODELS", str(tmp_path / "models"))
-    monkeypatch.setenv("LOCALSPEC_DATA", str(tmp_path / "data"))
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf"))
+def models(own_folders: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty models folder (and cache, data folder, Hugging Face cache; no built-in models)."""
     monkeypatch.setattr("localspec.models.library.builtin_entries", list)
-    return tmp_path / "models"
+    return own_folders / "models"
 
 
 @pytest.fixture

@@ -19,7 +19,6 @@ import pytest
 import torch
 from kernel_helpers import (
     assert_matches_reference,
-    kernel_lib,
     quantize_activations,
     random_inputs,
     random_weights,
@@ -41,12 +40,6 @@ from localspec.runtime.kernels import (
     runnable_variants,
 )
 from localspec.runtime.quant import Q4KLinear, Q6KLinear
-
-
-@pytest.fixture(scope="module", params=["served", "portable"])
-def lib(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
-    """The kernels this machine serves, then the portable build: both must pass everything."""
-    return kernel_lib(tmp_path_factory, None if request.param == "served" else "portable")
 
 
 def test_the_kernels_tested_are_the_ones_asked_for(lib: ctypes.CDLL,

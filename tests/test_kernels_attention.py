@@ -12,15 +12,9 @@ import ctypes
 
 import pytest
 import torch
-from kernel_helpers import attention_inputs, attention_reference, kernel_lib
+from kernel_helpers import attention_inputs, attention_reference
 
 from localspec.runtime.kernels import RowAttention
-
-
-@pytest.fixture(scope="module", params=["served", "portable"])
-def lib(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
-    """The kernels this machine serves, then the portable build: both must pass everything."""
-    return kernel_lib(tmp_path_factory, None if request.param == "served" else "portable")
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "d"), [(12, 2, 128), (14, 2, 64), (4, 4, 32)])

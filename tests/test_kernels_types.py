@@ -22,7 +22,6 @@ import torch
 from conftest import tiny_config
 from kernel_helpers import (
     assert_matches_reference,
-    kernel_lib,
     q5k_bytes,
     random_inputs,
     random_weights,
@@ -70,12 +69,6 @@ TYPES = {"Q5_K": (Q5KLinear, quantize_q5k, parse_q5k, 31, torch.uint8),
          "Q3_M": (Q3MLinear, quantize_q3m, None, 7, torch.uint8),
          "Q8_0": (Q8_0Linear, quantize_q8_0, parse_q8_0, 127, torch.int8),
          "Q4_0": (Q4_0Linear, quantize_q4_0, parse_q4_0, 15, torch.uint8)}
-
-
-@pytest.fixture(scope="module", params=["served", "portable"])
-def lib(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
-    """The kernels this machine serves, then the portable build: both must pass everything."""
-    return kernel_lib(tmp_path_factory, None if request.param == "served" else "portable")
 
 
 def test_every_native_type_has_a_parser() -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import gguf
 import pytest
-from conftest import assert_user_error
+from conftest import assert_user_error, run_cli
 from hub_server import FakeHub, Repo, serve
 from library_files import write_gguf
 
@@ -44,18 +44,7 @@ def _names(*args: str) -> dict[str, dict]:
 
 
 def run_models(*args: str) -> tuple[int, str, str]:
-    import contextlib
-    import io
-
-    from localspec.cli.main import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(["models", *args])
-        except SystemExit as exc:
-            code = int(exc.code or 0)
-    return code, out.getvalue(), err.getvalue()
+    return run_cli(None, "models", *args)
 
 
 # ----------------------------------------------------------------------------- reading files

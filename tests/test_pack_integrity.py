@@ -28,20 +28,8 @@ import localspec.models.integrity as integrity
 from localspec.config import ModelSpec, cache_root
 from localspec.models import cache, packed_store
 from localspec.models.loading import load_model
-from localspec.runtime.kernels import KernelUnavailable, load_kernels
 
 IDS = list(range(3, 40))
-
-
-@pytest.fixture(scope="module")
-def kernels(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One kernel build for the module (each test has a cache of its own)."""
-    folder = tmp_path_factory.mktemp("kernels")
-    try:
-        load_kernels(folder)
-    except KernelUnavailable as exc:
-        pytest.skip(f"no Q4_K kernel here: {exc}")
-    return folder
 
 
 @pytest.fixture(autouse=True)
@@ -100,12 +88,11 @@ def warned(caplog: pytest.LogCaptureFixture, *needles: str) -> bool:
 @pytest.mark.parametrize("kind", ["w8a8", "requant-q4k"])
 @pytest.mark.parametrize("where", ["middle", "embed"])
 def test_same_size_damage_in_a_pack_is_found_and_rebuilt(
-        kind: str, where: str, saved_model_dir: Path, kernels: Path,
+        kind: str, where: str, saved_model_dir: Path, session_kernels: Path,
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """Damage in the middle of the pack (a layer's int8 or Q4_K bytes) or inside the
     memory-mapped embedding: the load names the file and the tensor, packs again, and the
     logits are those of the undamaged pack, bit for bit."""
-    monkeypatch.setattr(packed_store, "kernel_dir", lambda: kernels)
     spec = ModelSpec(str(saved_model_dir), dtype="bfloat16", quantization=kind)
     first = load_model(spec).runner().forward(IDS)
     pack = packed_store.store_dir(saved_model_dir, kind) / packed_store.WEIGHTS_NAME
@@ -198,11 +185,10 @@ def test_damaged_tokenizer_of_a_converted_folder_is_rebuilt(
 
 
 def test_builtin_gguf_is_checked_whole_before_it_is_packed(
-        tiny_gguf: bytes, tmp_path: Path, kernels: Path, monkeypatch: pytest.MonkeyPatch,
+        tiny_gguf: bytes, tmp_path: Path, session_kernels: Path, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
     """A w4a8 pack reads the built-in GGUF's Q4_K and Q6_K matrices: damage to the GGUF
     between its sampled blocks is found before that read and the file assembled again."""
-    monkeypatch.setattr(packed_store, "kernel_dir", lambda: kernels)
     builtin = fake_builtin([tiny_gguf[:5000], tiny_gguf[5000:]], tmp_path, monkeypatch)
     spec = ModelSpec("fake-model", dtype="bfloat16", quantization="w4a8")
     folder = load_model(spec).folder

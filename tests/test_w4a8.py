@@ -28,7 +28,6 @@ from localspec.runtime.kernels import (
     KernelUnavailable,
     KQuantWeights,
     Q4KWeights,
-    load_kernels,
     quantize_q4_0,
     quantize_q4k,
     quantize_q6k,
@@ -38,30 +37,19 @@ from localspec.runtime.runner import ModelRunner
 from localspec.runtime.weight_formats import ConcatLinear, cut_linear, export_weights
 from localspec.sampling import SamplingParams
 
-
-@pytest.fixture(scope="module")
-def lib(tmp_path_factory: pytest.TempPathFactory) -> object:
-    try:
-        return load_kernels(tmp_path_factory.mktemp("kernels"))
-    except KernelUnavailable as exc:
-        pytest.skip(f"no Q4_K kernel here: {exc}")
-
-
-@pytest.fixture(autouse=True)
-def _private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LOCALSPEC_CACHE", str(tmp_path / "localspec-cache"))
+pytestmark = pytest.mark.usefixtures("own_cache")
 
 
 def _tokens(count: int, seed: int) -> list[int]:
     return torch.randint(0, VOCAB, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _runner(model: PreTrainedModel, kind: str, lib: object,
+def _runner(model: PreTrainedModel, kind: str, kernels: object,
             q4k: dict[str, KQuantWeights] | None = None,
             dtype: torch.dtype = torch.float32) -> ModelRunner:
     taken = copy.deepcopy(model).to(dtype)
     return ModelRunner(taken, decoder=CpuDecoder(taken, kind, export_weights(taken, kind, q4k),
-                                                  lib))
+                                                  kernels))
 
 
 def _as_q4k(model: PreTrainedModel, names: tuple[str, ...]) -> dict[str, Q4KWeights]:
@@ -80,10 +68,10 @@ REQUANT = {"requant-q4k": Q4KLinear, "requant-q3m": Q3MLinear}
 
 @pytest.mark.parametrize("kind", REQUANT)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_w4a8_batch_equals_one_token_steps(lib: object, dtype: torch.dtype, kind: str) -> None:
+def test_w4a8_batch_equals_one_token_steps(kernels: object, dtype: torch.dtype, kind: str) -> None:
     """After any prefix, a pass over n tokens gives bit for bit the logits of n one-token
     steps, also after cropping back: the w4a8 model is a fixed function of each position."""
-    runner = _runner(make_tiny_model(seed=0), kind, lib, dtype=dtype)
+    runner = _runner(make_tiny_model(seed=0), kind, kernels, dtype=dtype)
     assert all(type(layer.gate_up) is REQUANT[kind] for layer in runner.decoder.layers)
     tokens = _tokens(50, seed=3)
     steps = torch.cat([runner.forward([t]) for t in tokens])
@@ -97,7 +85,7 @@ def test_w4a8_batch_equals_one_token_steps(lib: object, dtype: torch.dtype, kind
                                steps[prefix:prefix + n]), (prefix, n)
 
 
-def test_w4a8_native_stack_keeps_passes_equal_to_steps(lib: object) -> None:
+def test_w4a8_native_stack_keeps_passes_equal_to_steps(kernels: object) -> None:
     """With a bf16 cache and head_dim 32 (the tiny model above has 8) every layer runs in one
     native call: a pass still equals one-token steps bit for bit, EAGLE features included,
     and the logits are those of the tensor-call loop (with the attention kernel, or SDPA)
@@ -107,7 +95,7 @@ def test_w4a8_native_stack_keeps_passes_equal_to_steps(lib: object) -> None:
     config.hidden_size, config.intermediate_size, config.num_attention_heads = 128, 128, 4
     torch.manual_seed(5)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    runner = _runner(model, "requant-q4k", lib, dtype=torch.bfloat16)
+    runner = _runner(model, "requant-q4k", kernels, dtype=torch.bfloat16)
     decoder = runner.decoder
     assert decoder.native is not None and decoder.row_attention is not None
     tokens = _tokens(150, seed=4)
@@ -141,20 +129,20 @@ def test_w4a8_native_stack_keeps_passes_equal_to_steps(lib: object) -> None:
 
 
 @pytest.mark.parametrize("kind", REQUANT)
-def test_w4a8_requant_follows_the_float_model(lib: object, kind: str) -> None:
+def test_w4a8_requant_follows_the_float_model(kernels: object, kind: str) -> None:
     """4- or 3-bit weights are coarser than int8 but must still be the same model (a packing
     or scale error would be far off): relative logit error and argmax agreement."""
     model = make_tiny_model(seed=1)
     tokens = _tokens(60, seed=1)
     reference = ModelRunner(model).forward(tokens)
-    logits = _runner(model, kind, lib).forward(tokens)
+    logits = _runner(model, kind, kernels).forward(tokens)
     relative = float((logits - reference).norm() / reference.norm())
     assert relative < 0.15, relative
     agreement = float((logits.argmax(-1) == reference.argmax(-1)).float().mean())
     assert agreement >= 0.75, agreement
 
 
-def test_w4a8_takes_q4k_only_where_it_is_the_models_weight(lib: object) -> None:
+def test_w4a8_takes_q4k_only_where_it_is_the_models_weight(kernels: object) -> None:
     """Exact Q4_K matrices run in the kernel; a mapped matrix that differs from the loaded
     weight (another layout, another model) is served as w8a8 from the model's own weights, and
     a fused layer mixes the two in order."""
@@ -165,7 +153,7 @@ def test_w4a8_takes_q4k_only_where_it_is_the_models_weight(lib: object) -> None:
     wrong = quantize_q4k(torch.randn(64, 32))  # gate_proj's shape, other numbers
     mapping = {**exact, "model.layers.1.mlp.gate_proj": wrong}
     reference = ModelRunner(model).forward(_tokens(30, seed=5))
-    runner = _runner(model, "w4a8", lib, mapping)
+    runner = _runner(model, "w4a8", kernels, mapping)
     first, second = runner.decoder.layers
     assert isinstance(first.qkv, ConcatLinear)
     assert [type(p) for p in first.qkv.parts] == [Q4KLinear, W8A8Linear]  # q+k, then v
@@ -176,7 +164,7 @@ def test_w4a8_takes_q4k_only_where_it_is_the_models_weight(lib: object) -> None:
     assert float((logits - reference).norm() / reference.norm()) < 0.05
 
 
-def test_w4a8_serves_q6k_matrices_in_their_own_kernel(lib: object,
+def test_w4a8_serves_q6k_matrices_in_their_own_kernel(kernels: object,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """A GGUF's Q6_K matrices (here v, down and the LM head, 256 inputs wide) run exactly in
     the Q6_K kernel beside Q4_K ones, unrotated; the model stays a fixed function of each
@@ -201,7 +189,7 @@ def test_w4a8_serves_q6k_matrices_in_their_own_kernel(lib: object,
             module.weight.copy_(mapping[name].dequantize())
     tokens = torch.randint(0, vocab, (24,), generator=torch.Generator().manual_seed(6)).tolist()
     reference = ModelRunner(model).forward(tokens)
-    runner = _runner(model, "w4a8", lib, mapping)
+    runner = _runner(model, "w4a8", kernels, mapping)
     for layer in runner.decoder.layers:
         assert type(layer.down) is Q6KLinear and not layer.down_rotated
         assert [type(p) for p in layer.qkv.parts] == [Q4KLinear, Q6KLinear]
@@ -219,20 +207,20 @@ def test_w4a8_serves_q6k_matrices_in_their_own_kernel(lib: object,
     as_q4_0 = quantize_q4_0(head.rows(rows))
     assert_matches_reference(cut[:, rows], kernel_product(hidden, as_q4_0, None))
     assert int(torch.isinf(cut).sum()) == 3 * (vocab - len(rows))
-    assert type(cut_linear(lambda ids: torch.randn(len(ids), 48), torch.arange(5), lib)
+    assert type(cut_linear(lambda ids: torch.randn(len(ids), 48), torch.arange(5), kernels)
                 ) is W8A8Linear  # no whole 32-groups
     many = torch.arange(0, vocab, 4)  # quantized CUT_CHUNK rows at a time: the same product
-    whole = cut_linear(head.rows, many, lib)(hidden)
+    whole = cut_linear(head.rows, many, kernels)(hidden)
     monkeypatch.setattr(weight_formats, "CUT_CHUNK", 16)
-    assert torch.equal(cut_linear(head.rows, many, lib)(hidden), whole)
+    assert torch.equal(cut_linear(head.rows, many, kernels)(hidden), whole)
 
 
-def test_w4a8_greedy_speculation_equals_plain(lib: object) -> None:
+def test_w4a8_greedy_speculation_equals_plain(kernels: object) -> None:
     """Greedy speculation with a w4a8 target and a 4-bit draft emits exactly plain w4a8
     greedy decoding's tokens, with drafts both accepted and rejected."""
     target_model = make_tiny_model(seed=0)
-    target = _runner(target_model, "requant-q4k", lib)
-    draft = _runner(perturbed_copy(target_model, seed=9, noise=0.05), "requant-q4k", lib)
+    target = _runner(target_model, "requant-q4k", kernels)
+    draft = _runner(perturbed_copy(target_model, seed=9, noise=0.05), "requant-q4k", kernels)
     accepted = rejected = 0
     for prompt in ([5, 9, 2, 44], [60, 3, 17, 17, 8]):
         def make(prompt: list[int] = prompt) -> GenerationRequest:
@@ -249,7 +237,8 @@ def test_w4a8_greedy_speculation_equals_plain(lib: object) -> None:
     assert accepted > 0 and rejected > 0, (accepted, rejected)
 
 
-def test_load_w4a8_requant_stores_and_reloads(saved_model_dir: Path, lib: object) -> None:
+def test_load_w4a8_requant_stores_and_reloads(saved_model_dir: Path,
+                                               session_kernels: Path) -> None:
     """load_model(..., "requant-q4k") serves Q4_K layers, stores them, and a second load
     reads the store (same logits, bit for bit)."""
     spec = ModelSpec(str(saved_model_dir), dtype="bfloat16", quantization="requant-q4k")
