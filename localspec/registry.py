@@ -12,9 +12,11 @@ module plus one entry in ``DRAFTERS``.
 ``build`` is a lazy reference, ``"module:function"`` (like an entry point): this module sits
 on the torch-free floor under ``config`` and never imports torch or a drafter; the pipeline
 imports the function when an engine for the method is first asked for, and calls it with
-itself as the ``drafters.base.BuildContext``. Plain decoding (``"none"``) is an entry with no
-``build``: it is a choice wherever a method is (presets, ``--method``, the method switch), so
-one tuple holds every choice.
+itself as the ``drafters.base.BuildContext``. Two entries have no ``build``, as they are
+choices wherever a method is (presets, ``--method``, the method switch), so one tuple holds
+every choice: plain decoding (``"none"``), and ``"auto"``, which ``chooses``: it is no drafter
+but several, resolved by ``localspec.drafter_set`` and picked from each step by the engine's
+policy (``engine.choice``).
 
 Everything reads ``DRAFTERS`` through the functions below, at call time; nothing keeps a copy
 made at import. So a test that registers a toy drafter (monkeypatching ``DRAFTERS``) sees it
