@@ -8,7 +8,7 @@ tokenize.
 
 What is the same for every model lives here: the tokens held and the length, the checks on
 what is fed, the recorded features. The forward itself, its cache and its LM head belong to a
-backend behind the small ``Forward`` interface: ``HfForward`` (``hf_forward.py``: a Hugging
+backend behind the small ``Backend`` interface: ``HfForward`` (``hf_forward.py``: a Hugging
 Face causal LM, any architecture, any device; a static cache, CUDA graphs, float32 logits) or
 ``CpuForward`` (``cpu_forward.py``: ``CpuDecoder`` on Llama-family models on a CPU, native
 kernels, a static cache whose rollback is a length change).
@@ -42,7 +42,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return next(i for i in range(limit) if a[i] != b[i])
 
 
-class Forward(Protocol):
+class Backend(Protocol):
     """A runner's backend: one sequence's forward, cache and LM head. It is told where each
     feed starts and which positions to drop; the runner keeps the length and the tokens."""
 
@@ -86,7 +86,7 @@ class ModelRunner:
         self.feature_layers: tuple[int, ...] | None = None  # see record_features
         self._features = FeatureStore()
         self._tree: tuple[int, list[int]] | None = None  # the last tree fed: start, parents
-        self._backend: Forward = (
+        self._backend: Backend = (
             CpuForward(decoder, vocab_rows) if decoder is not None
             else HfForward(model, logits_fp32=logits_fp32, vocab_rows=vocab_rows,
                            static_cache=static_cache, cuda_graphs=cuda_graphs))
