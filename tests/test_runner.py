@@ -12,8 +12,9 @@ from conftest import make_tiny_model
 from tolerance import assert_within, forward_atol, matmul_bound
 from transformers import PreTrainedModel
 
-from localspec.runtime import runner as runner_module
-from localspec.runtime.runner import ModelRunner, refine_top_logits
+from localspec.runtime import hf_forward
+from localspec.runtime.runner import ModelRunner
+from localspec.runtime.weight_formats import refine_top_logits
 
 TOKENS = [5, 17, 33, 2, 80, 41, 9, 60, 3, 91, 44, 12]
 
@@ -194,7 +195,7 @@ def test_compile_graphs_compiles_every_bucket_before_the_first_answer(
     (Two buckets here: each compile takes seconds even with the eager backend.)"""
     from torch._dynamo.utils import counters
 
-    monkeypatch.setattr(runner_module, "GRAPH_WIDTHS", (1, 4))
+    monkeypatch.setattr(hf_forward, "GRAPH_WIDTHS", (1, 4))
     torch._dynamo.reset()  # other tests' compiled variants count against the same limit
     model = make_tiny_model(seed=0)
     runner = ModelRunner(model, static_cache=128, cuda_graphs=True)
@@ -221,12 +222,12 @@ def test_long_prefill_runs_in_pieces(target_model: PreTrainedModel,
     whole = ModelRunner(target_model)
     whole.record_features((1, 2))
     expected = whole.forward(TOKENS, logits_to_keep=2)
-    monkeypatch.setattr(runner_module, "PREFILL_CHUNK", 5)
+    monkeypatch.setattr(hf_forward, "PREFILL_CHUNK", 5)
     pieces = ModelRunner(target_model)
     pieces.record_features((1, 2))
     calls: list[int] = []
-    step = pieces._backbone_step
-    monkeypatch.setattr(pieces, "_backbone_step",
+    step = pieces._backend._backbone_step
+    monkeypatch.setattr(pieces._backend, "_backbone_step",
                         lambda ids, *rest: calls.append(ids.shape[1]) or step(ids, *rest))
     close(pieces.forward(TOKENS, logits_to_keep=2), expected, target_model)
     assert calls == [5, 5, 2] and pieces.length == len(TOKENS)

@@ -1,48 +1,37 @@
 """ModelRunner: the only thing the engine and the drafters need from a language model.
 
-A runner owns one sequence's KV cache: feed new tokens and get their logits (and last hidden
-states, for feature-level drafters), roll the cache back to a length, keep the prefix a new
-request shares with it (``keep_prefix``), reset. Where the native CPU decoder runs, new tokens
-may form a tree (each sees its root path only) of which ``keep_path`` keeps one. Under it sits
-a Hugging Face causal LM (any architecture, any device) or ``CpuDecoder`` (Llama-family models
-on a CPU: native kernels, a static cache whose rollback is a length change). It does not
-sample, verify or tokenize.
+A runner owns one sequence: feed new tokens and get their logits (and last hidden states, for
+feature-level drafters), roll the cache back to a length, keep the prefix a new request shares
+with it (``keep_prefix``), reset. Where the native CPU decoder runs, new tokens may form a tree
+(each sees its root path only) of which ``keep_path`` keeps one. It does not sample, verify or
+tokenize.
 
-The Hugging Face forward keeps a ``DynamicCache``, or with ``static_cache=N`` a ``StaticCache``
-of N positions allocated once: rollback and reset move its length only (later positions are
-masked and overwritten), and its tensors keep the addresses CUDA graphs need.
-``cuda_graphs=True`` (with a static cache) runs each forward of up to ``GRAPH_WIDTHS[-1]``
-tokens as a CUDA graph compiled once per width bucket, padded with copies of its last token
-whose cache entries land past the length (docs/design.md, "The GPU path").
-
-Why ``logits_fp32``: in bfloat16 a batched verify pass and one-token decoding can pick
-different argmaxes at near-ties (bf16 logits are 0.125 apart at magnitude 16-32). The final
-norm runs in float32, the LM head in bf16 (a float32 head over the whole vocabulary: 0.4 s for
-16 rows of the 1.5B, against 0.07 s), and only the logits near each row's maximum again in
-float32 (``refine_top_logits``): the argmax and the top of the distribution are float32-exact;
-``localspec verify`` measures what near-ties remain.
+What is the same for every model lives here: the tokens held and the length, the checks on
+what is fed, the recorded features. The forward itself, its cache and its LM head belong to a
+backend behind the small ``Backend`` interface: ``HfForward`` (``hf_forward.py``: a Hugging
+Face causal LM, any architecture, any device; a static cache, CUDA graphs, float32 logits) or
+``CpuForward`` (``cpu_forward.py``: ``CpuDecoder`` on Llama-family models on a CPU, native
+kernels, a static cache whose rollback is a length change).
 
 Feature-level drafters (EAGLE, EAGLE-3, Medusa) draft from the target's hidden states of
 verified tokens: every forward keeps the rows of the layers ``record_features`` names per
-position, like keys and values, so a drafter reads the verify pass the engine already ran.
+position (a ``FeatureStore``), like keys and values, so a drafter reads the verify pass the
+engine already ran.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from itertools import pairwise
+from typing import Protocol
 
 import torch
-from torch import nn
 from transformers import DynamicCache, PreTrainedModel, StaticCache
 
+from localspec.runtime.cpu_forward import CpuForward
 from localspec.runtime.decoder import CpuDecoder, KVCache
-from localspec.runtime.weight_formats import refine_top_logits, spread_logits
-
-FEATURE_BLOCK = 256  # the feature store grows by at least this many positions
-GRAPH_WIDTHS = (1, 2, 4, 8, 16, 32)  # CUDA graph buckets of tokens per forward; wider: eager
-GRAPHED_RUNNERS = 4  # compiled variants are budgeted for this many runners in a process
-PREFILL_CHUNK = 512  # a longer feed whose leading logits are not wanted runs in pieces
+from localspec.runtime.features import FeatureStore
+from localspec.runtime.hf_forward import HfForward
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -51,6 +40,32 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     if a[:limit] == b[:limit]:
         return limit
     return next(i for i in range(limit) if a[i] != b[i])
+
+
+class Backend(Protocol):
+    """A runner's backend: one sequence's forward, cache and LM head. It is told where each
+    feed starts and which positions to drop; the runner keeps the length and the tokens."""
+
+    capacity: int  # the positions its cache holds at most; 0: as many as the model's context
+    rows: torch.Tensor | None  # the token ids a cut LM head computes (None: all)
+
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def row_exact(self) -> bool: ...
+    @property
+    def supports_trees(self) -> bool: ...
+    def embedding_weight(self) -> torch.Tensor: ...
+    def forward(self, token_ids: list[int], start: int, logits_to_keep: int | None,
+                layers: tuple[int, ...] | None, features: FeatureStore,
+                tree: torch.Tensor | None, spread: bool
+                ) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+    def head_cut(self, rows: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]: ...
+    def move_rows(self, target: torch.Tensor, source: torch.Tensor) -> None: ...
+    def crop(self, dropped: int) -> None: ...
+    def reset(self, length: int) -> None: ...
+    def compile_graphs(self) -> None: ...
 
 
 class ModelRunner:
@@ -69,78 +84,37 @@ class ModelRunner:
         self._held: list[int] = []  # the tokens fed; the first ``length`` are in the cache
         self.last_hidden: torch.Tensor | None = None  # [n, hidden] of the last forward
         self.feature_layers: tuple[int, ...] | None = None  # see record_features
-        self._features: torch.Tensor | None = None  # [capacity, len(feature_layers) * hidden]
-        self._features_from = 0  # positions before this were fed while not recording
-        self._graphed = None  # the compiled step (cuda_graphs; Hugging Face forward only)
+        self._features = FeatureStore()
         self._tree: tuple[int, list[int]] | None = None  # the last tree fed: start, parents
-        if decoder is not None:
-            # int8 logits are exact int32 sums, the same in any batch: no float32 refinement.
-            self.kv_cache: KVCache = decoder.new_cache()
-            self._rows = vocab_rows
-            self._head = decoder.head.part(vocab_rows)
-            return
-        self.backbone = model.base_model
-        self.lm_head = model.get_output_embeddings()
-        # float32 logits: re-run the final norm on its float32 input, refine the top logits.
-        self._norm: nn.Module | None = None
-        weight = getattr(self.lm_head, "weight", None)
-        norm = getattr(self.backbone, "norm", None)
-        if (logits_fp32 and isinstance(norm, nn.Module) and isinstance(weight, torch.Tensor)
-                and weight.dtype in (torch.bfloat16, torch.float16)
-                and getattr(self.lm_head, "bias", None) is None):
-            self._norm = norm
-        # A drafter may restrict its LM head to frequent tokens (FR-Spec): the head is the
-        # largest single matmul of a small model. Other logits are -inf.
-        self._rows: torch.Tensor | None = None
-        self._rows_weight: torch.Tensor | None = None
-        if vocab_rows is not None and self._norm is None:
-            self._rows = vocab_rows.to(self.device)
-            self._rows_weight = self.lm_head.weight.detach()[self._rows].contiguous()
-        self.static_capacity = static_cache
-        if cuda_graphs and not static_cache:
-            raise ValueError("cuda_graphs needs a static cache (static_cache=N)")
-        self.cache = self._new_cache()
-        self._kept: dict[str, torch.Tensor] = {}  # the final norm's input (graphed runs)
-        if cuda_graphs:
-            # A hook that stays registered: a compiled graph is traced with its hooks, and
-            # one added per call would recompile it.
-            if self._norm is not None:
-                self._norm.register_forward_pre_hook(
-                    lambda _m, args: self._kept.__setitem__("pre_norm", args[0]))
-            # Every runner, width bucket and features-or-not is one compiled variant of the
-            # same function: more than dynamo's default 8, past which it silently runs eager.
-            limit = len(GRAPH_WIDTHS) * 2 * GRAPHED_RUNNERS
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
-                                                       limit)
-            self._graphed = (torch.compile(self._backbone_step, mode="reduce-overhead",
-                                           dynamic=False) if self.device.type == "cuda"
-                             else torch.compile(self._backbone_step, backend="eager",
-                                                dynamic=False))
+        self._backend: Backend = (
+            CpuForward(decoder, vocab_rows) if decoder is not None
+            else HfForward(model, logits_fp32=logits_fp32, vocab_rows=vocab_rows,
+                           static_cache=static_cache, cuda_graphs=cuda_graphs))
 
-    def _new_cache(self) -> DynamicCache | StaticCache:
-        if not self.static_capacity:
-            return DynamicCache(config=self.config)
-        cache = StaticCache(config=self.config, max_cache_len=self.static_capacity)
-        # Allocated now, not lazily inside the first forward: a first forward that runs
-        # compiled would leave its tensors unmarked as static, and CUDA graphs would skip.
-        c = self.config
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        cache.early_initialization(1, getattr(c, "num_key_value_heads", None)
-                                   or c.num_attention_heads, head_dim,
-                                   self.embedding_weight().dtype, self.device)
-        return cache
+    @property
+    def cache(self) -> DynamicCache | StaticCache:
+        """The Hugging Face forward's cache (that backend only)."""
+        if not isinstance(self._backend, HfForward):
+            raise AttributeError("a CPU decoder's runner has no Hugging Face cache (kv_cache)")
+        return self._backend.cache
+
+    @property
+    def kv_cache(self) -> KVCache:
+        """The CPU decoder's cache (that backend only)."""
+        if not isinstance(self._backend, CpuForward):
+            raise AttributeError("a Hugging Face runner has no CPU decoder cache (cache)")
+        return self._backend.kv_cache
 
     @property
     def vocab_size(self) -> int:
-        if self.decoder is not None:
-            return self.decoder.head.vocab_size
-        return int(self.lm_head.weight.shape[0])
+        return self._backend.vocab_size
 
     @property
     def max_length(self) -> int:
         limit = int(getattr(self.config, "max_position_embeddings", 0) or 0)
-        if self.decoder is None and self.static_capacity:
-            return min(limit, self.static_capacity) if limit else self.static_capacity
+        capacity = self._backend.capacity
+        if capacity:
+            return min(limit, capacity) if limit else capacity
         return limit
 
     @property
@@ -152,20 +126,17 @@ class ModelRunner:
         return int(self.config.hidden_size)
 
     def reset(self) -> None:
-        if self.decoder is None and self.static_capacity:
-            self.crop(0)  # the same tensors, at length 0
-        elif self.decoder is None:
-            self.cache = DynamicCache(config=self.config)
+        self._backend.reset(self.length)
         self.length = 0
         self.last_hidden = None
-        self._features_from = 0
+        self._features.start = 0
         self._tree = None
 
     @property
     def row_exact(self) -> bool:
         """Whether a token's keys and logits are the same bits however it was fed (the native
         stack's steps, verify passes, prompt pieces): a kept cache is a fresh prefill's."""
-        return self.decoder is not None and self.decoder.native is not None
+        return self._backend.row_exact
 
     def keep_prefix(self, tokens: list[int]) -> int:
         """Keep the cached tokens ``tokens`` starts with (a conversation's earlier turns); how
@@ -186,68 +157,40 @@ class ModelRunner:
                 not 0 <= i <= self.num_layers for i in layers)):
             raise ValueError(f"feature layers must be 0..{self.num_layers}, got {layers}")
         if layers != self.feature_layers:
-            self._features = None
-            self._features_from = self.length
+            self._features.restart(self.length)
         self.feature_layers = layers
 
     def features(self, start: int, end: int) -> torch.Tensor:
         """Recorded features [end - start, len(feature_layers) * hidden] of the cached
         positions start..end-1."""
-        if self._features is None or not self._features_from <= start <= end <= self.length:
-            raise ValueError(f"no recorded features for positions {start}..{end - 1} (recorded "
-                             f"from {self._features_from} to {self.length - 1})")
-        return self._features[start:end]
-
-    def _keep_features(self, start: int, rows: torch.Tensor) -> None:
-        """Write ``rows`` [n, width] at positions start..; the store grows by doubling."""
-        end = start + rows.shape[0]
-        store = self._features
-        if store is None or store.shape[0] < end:
-            capacity = max(end, FEATURE_BLOCK, 2 * store.shape[0] if store is not None else 0)
-            grown = rows.new_empty((capacity, rows.shape[1]))
-            if store is not None:
-                grown[: store.shape[0]] = store
-            self._features = store = grown
-        store[start:end] = rows.to(store.dtype)
+        return self._features.read(start, end, self.length)
 
     def embedding_weight(self) -> torch.Tensor:
         """The input embedding table [vocab, hidden] (a drafter embeds its tokens with it)."""
-        if self.decoder is not None:
-            return self.decoder.embed
-        return self.model.get_input_embeddings().weight
+        return self._backend.embedding_weight()
 
     @property
     def vocab_rows(self) -> torch.Tensor | None:
         """The token ids a cut LM head computes (None: the whole vocabulary)."""
-        return self._rows
+        return self._backend.rows
 
     @torch.inference_mode()
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head on hidden states [n, hidden] that did not come from a forward (an EAGLE
         head's predicted features): float32 logits [n, vocab]; no cache is touched."""
-        if self.decoder is not None:
-            return self.decoder.head.logits(hidden.float(), self._rows, self._head)
-        if self._rows_weight is not None:
-            sub = torch.nn.functional.linear(hidden.to(self._rows_weight.dtype),
-                                             self._rows_weight).float()
-            return spread_logits(sub, self._rows, self.vocab_size)
-        return self.lm_head(hidden.to(self.lm_head.weight.dtype)).float()
+        return self._backend.head_logits(hidden)
 
     def head_cut(self, rows: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
         """``head_logits`` over ``rows`` only (a head's draft vocabulary; the rest -inf), made
         once: the CPU's head packs the cut now, not in the first reply, and no call looks it
         up again (hashing 4,096 ids costs 0.2 ms)."""
-        if self.decoder is not None:
-            head, part = self.decoder.head, self.decoder.head.part(rows)
-            return lambda hidden: head.logits(hidden.float(), rows, part)
-        return lambda hidden: spread_logits(self.head_logits(hidden)[:, rows], rows,
-                                            self.vocab_size)
+        return self._backend.head_cut(rows)
 
     @property
     def supports_trees(self) -> bool:
         """Whether ``forward`` takes a tree (``parents``): where the native CPU decoder's row
         attention runs; a Hugging Face forward (any device) feeds chains only."""
-        return self.decoder is not None and self.decoder.supports_trees
+        return self._backend.supports_trees
 
     @torch.inference_mode()
     def forward(self, token_ids: list[int], logits_to_keep: int | None = None,
@@ -263,8 +206,6 @@ class ModelRunner:
         those its path fed as a chain gives. Its keys and values go to cache row length + j
         until ``keep_path`` keeps one path.
         """
-        keep = slice(-logits_to_keep, None) if logits_to_keep else slice(None)
-        layers = self.feature_layers
         self._held[self.length:] = token_ids
         tree, self._tree = None, None
         if parents is not None:
@@ -275,99 +216,19 @@ class ModelRunner:
                 raise ValueError(f"parents must be -1, then earlier indices; got {parents}")
             tree = torch.tensor(parents, dtype=torch.long)
             self._tree = (self.length, list(parents))
-        if self.decoder is not None:
-            ids = torch.tensor(token_ids, dtype=torch.long)
-            if layers is None:
-                hidden = self.decoder.forward(ids, self.kv_cache, self.length, tree)
-            else:
-                hidden, features = self.decoder.forward_features(ids, self.kv_cache,
-                                                                 self.length, layers, tree)
-                self._keep_features(self.length, features)
-            self.length += len(token_ids)
-            self.last_hidden = hidden[keep]
-            return self.decoder.head.logits(self.last_hidden, self._rows if spread else None,
-                                            self._head)
-        if self.static_capacity and self.length + len(token_ids) > self.static_capacity:
-            raise ValueError(f"{self.length + len(token_ids)} positions do not fit the static "
-                             f"cache of {self.static_capacity}")
-        # A long prompt is fed in pieces: the activations of one piece at a time, so that
-        # the peak stays near the weights plus the cache.
-        while logits_to_keep and len(token_ids) - PREFILL_CHUNK >= logits_to_keep:
-            self._feed(token_ids[:PREFILL_CHUNK])
-            token_ids = token_ids[PREFILL_CHUNK:]
-        last, pre_norm = self._feed(token_ids)
-        self.last_hidden = last[keep]  # [n, hidden]
-        if self._norm is not None and pre_norm is not None:
-            normed = self._norm(pre_norm[keep].float()).float()  # [n, hidden] float32
-            return refine_top_logits(normed, self.lm_head.weight)
-        if self._rows_weight is not None:
-            sub = torch.nn.functional.linear(self.last_hidden, self._rows_weight).float()
-            return spread_logits(sub, self._rows, self.vocab_size) if spread else sub
-        return self.lm_head(self.last_hidden).float()
-
-    def _feed(self, token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The backbone over ``token_ids``, features kept, the length advanced: its output
-        [n, hidden] and the final norm's input (see ``_backbone``)."""
-        layers = self.feature_layers
-        last, hidden_states, pre_norm = self._backbone(token_ids, layers is not None and any(
-            i < self.num_layers for i in layers))
-        if layers is not None:  # hidden_states[num_layers] is last_hidden_state
-            self._keep_features(self.length, torch.cat(
-                [last if i == self.num_layers else hidden_states[i] for i in layers], dim=-1))
+        logits, self.last_hidden = self._backend.forward(
+            token_ids, self.length, logits_to_keep, self.feature_layers, self._features, tree,
+            spread)
         self.length += len(token_ids)
-        return last, pre_norm
-
-    def _backbone(self, token_ids: list[int], hidden: bool
-                  ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor | None]:
-        """The Hugging Face backbone over ``token_ids`` at the cache's length: its output
-        [n, hidden], the hidden states entering each layer (when ``hidden``), and the final
-        norm's input [n, hidden] (when float32 logits need it)."""
-        n = len(token_ids)
-        width = next((w for w in GRAPH_WIDTHS if w >= n), 0) if self._graphed else 0
-        if width and self.length + width <= self.static_capacity:
-            ids = torch.tensor([token_ids + [token_ids[-1]] * (width - n)], dtype=torch.long,
-                               device=self.device)
-            positions = torch.arange(self.length, self.length + width, device=self.device)
-            self._kept.clear()
-            last, states = self._graphed(ids, positions.unsqueeze(0), hidden)
-            if width > n:
-                self.cache.crop(-(width - n))  # the padding's keys and values: stale
-            # Copies: a graph's outputs are overwritten by its next replay.
-            pre_norm = self._kept.get("pre_norm")
-            return (last[0, :n].clone(), tuple(h[0, :n].clone() for h in states),
-                    None if pre_norm is None else pre_norm[0, :n].clone())
-        ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
-        positions = torch.arange(self.length, self.length + n, device=self.device)
-        captured: list[torch.Tensor] = []
-        hook = (self._norm.register_forward_pre_hook(lambda _m, args: captured.append(args[0]))
-                if self._norm is not None and self._graphed is None else None)
-        try:
-            self._kept.clear()
-            last, states = self._backbone_step(ids, positions.unsqueeze(0), hidden)
-        finally:
-            if hook is not None:
-                hook.remove()
-        pre_norm = captured[-1] if captured else self._kept.get("pre_norm")
-        return (last[0], tuple(h[0] for h in states),
-                None if pre_norm is None else pre_norm[0])
-
-    def _backbone_step(self, ids: torch.Tensor, positions: torch.Tensor, hidden: bool
-                       ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        out = self.backbone(input_ids=ids, cache=self.cache, use_cache=True,
-                            position_ids=positions, output_hidden_states=hidden)
-        return out.last_hidden_state, tuple(out.hidden_states) if hidden else ()
+        return logits
 
     @torch.inference_mode()
     def compile_graphs(self) -> None:
         """Compile the graphed step for every width bucket, with and without hidden states,
         now: on a GPU each capture takes seconds (about a minute in all), better paid while a
         preset loads than inside the first answer. Only on an empty runner; leaves it empty."""
-        if self._graphed is None or self.length:
-            return
-        for width in GRAPH_WIDTHS:
-            for hidden in (False, True):
-                self._backbone([0] * width, hidden)
-                self.cache.crop(-width)
+        if not self.length:
+            self._backend.compile_graphs()
 
     @torch.inference_mode()
     def keep_path(self, rows: list[int]) -> None:
@@ -382,19 +243,15 @@ class ModelRunner:
         source = torch.tensor(rows) + start
         target = torch.arange(start, start + len(rows))
         if not torch.equal(source, target):  # only an off-chain path has rows to move
-            for store in (self.kv_cache.keys, self.kv_cache.values):
-                store[:, :, target] = store[:, :, source]  # the right side is a copy
-            if self._features is not None and self._features_from <= start:
-                self._features[target] = self._features[source]
+            self._backend.move_rows(target, source)
+            self._features.move(target, source, start)
         self._held[start:] = [self._held[start + r] for r in rows]
         self.length = start + len(rows)
         self._tree = None
 
     def crop(self, length: int) -> None:
         """Roll the cache back so that it holds the first ``length`` tokens."""
-        if length < self.length and self.decoder is not None:
-            self.length = length  # stale positions are overwritten by the next forward
-        elif length < self.length:
-            self.cache.crop(-(self.length - length))  # transformers >= 5: a negative count
+        if length < self.length:
+            self._backend.crop(self.length - length)
             self.length = length
-        self._features_from = min(self._features_from, self.length)
+        self._features.clamp(self.length)
