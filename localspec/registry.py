@@ -93,7 +93,7 @@ class DrafterSpec:
 
     name: str  # [speculative_config] method, --method, the method switch's value
     label: str  # in the app's method switch
-    build: str | None  # "module:function" taking a BuildContext; None: plain decoding
+    build: str | None  # "module:function" taking a BuildContext; None: plain decoding, a set
     needs: Needs = "nothing"
     vllm_method: str | None = None  # vLLM's speculative_config method (None: no equivalent)
     # [speculative_config] keys vLLM reads for this method besides method, model and

@@ -36,7 +36,7 @@ from functools import partialmethod
 from pathlib import Path
 from typing import Any
 
-import localspec.drafters.draft_model as draft_model
+import localspec.drafters.base as drafter_base
 import localspec.engine.adaptive as adaptive
 import localspec.engine.choice as choice
 import localspec.engine.engine as engine
@@ -56,7 +56,8 @@ HELDOUT = Path(__file__).resolve().parent.parent / "localspec" / "data" / "heldo
 
 
 class VirtualClock:
-    """``perf_counter`` for the engine and the draft model, moved by each forward's cost."""
+    """``perf_counter`` for the engine, its policy and the drafters, moved by each forward's
+    cost."""
 
     def __init__(self, costs: dict[str, float], target: ModelRunner, k_max: int,
                  noise: float = 0.0, seed: int = 0) -> None:
@@ -96,12 +97,16 @@ class VirtualClock:
             return forward(runner, token_ids, *args, **kwargs)
 
         fake = types.SimpleNamespace(perf_counter=self.perf_counter)
-        saved = engine.time, draft_model.time
-        ModelRunner.forward, engine.time, draft_model.time = timed, fake, fake
+        timed_modules = (engine, choice, drafter_base)  # the step, the drafting, a catch-up
+        saved = [module.time for module in timed_modules]
+        ModelRunner.forward = timed
+        for module in timed_modules:
+            module.time = fake
 
         def undo() -> None:
             ModelRunner.forward = forward
-            engine.time, draft_model.time = saved
+            for module, kept in zip(timed_modules, saved, strict=True):
+                module.time = kept
 
         return undo
 
