@@ -212,3 +212,15 @@ def test_the_app_starts_without_saving_when_the_folder_cannot_be_written(
     assert launched and given["store"] is None
     assert "cannot create the folder" in str(given["store_problem"])
     assert "conversations cannot be saved" in caplog.text
+
+
+def test_build_app_wires_the_whole_page(tiny_presets: dict[str, str]) -> None:
+    """``build_app``, as ``app.py`` calls it, makes the page with every panel wired (the
+    launch test above stands it in; this one builds it)."""
+    from localspec.host import ModelHost
+    from localspec.models.hardware import detect_hardware
+    from localspec.ui.app import build_app
+
+    page = build_app(ModelHost(warm_up=False, audit=False), detect_hardware(),
+                     tiny_presets["ngram"], store=None, store_problem="nowhere to save")
+    assert isinstance(page, gr.Blocks)

@@ -48,4 +48,4 @@ def build_app(host: ModelHost, hardware: Hardware, default_preset: str,
     ``api_url`` is given, saving conversations in ``store`` (None: nowhere, and the page says
     why: ``store_problem``). Launch with ``css=APP_CSS``."""
     app = ChatApp(host, hardware, default_preset, store=store)
-    return build(app, api_html(api_url, api_key_needed), Conversations(app, store_problem))
+    return build(app, api_html(api_url, api_key_needed), Conversations(app.chat, store_problem))
