@@ -182,7 +182,7 @@ class Pipeline:
                               f"preset '{self.preset.name}' was loaded without one")
         return self.draft
 
-    def build_drafter(self, name: str) -> Drafter:
+    def _build_drafter(self, name: str) -> Drafter:
         """Registered drafter ``name``, made by its registered build with this pipeline as
         its ``BuildContext``."""
         spec = drafter_spec(name)
@@ -203,7 +203,7 @@ class Pipeline:
                     else self.preset.drafter_set(method))
         if drafters.method not in self._engines:
             self._engines[drafters.method] = self.engine_with(
-                tuple(self.build_drafter(name) for name in drafters.members))
+                tuple(self._build_drafter(name) for name in drafters.members))
         return self._engines[drafters.method]
 
     def request(self, prompt_ids: list[int], stop_strings: tuple[str, ...] = (),

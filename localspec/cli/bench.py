@@ -187,8 +187,10 @@ def _run_ours(pipe: Pipeline, method: str, prompt_ids: list[int], max_new: int,
     if acceptance is None:
         result = pipe.run(request, method)
     else:
-        drafter = SimulatedDrafter(pipe.build_drafter("draft_model"), reference or [],
-                                   len(prompt_ids), acceptance)
+        # the draft_model engine's own draft model (built once, its cut head packed once),
+        # without the lookup in front of it
+        draft = pipe.engine("draft_model").drafters[-1]
+        drafter = SimulatedDrafter(draft, reference or [], len(prompt_ids), acceptance)
         result = pipe.run(request, engine=pipe.engine_with((drafter,)))
     s = result.stats
     return {"token_ids": result.token_ids, "text": result.text,
