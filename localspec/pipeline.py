@@ -115,8 +115,10 @@ class Pipeline:
             ids.add(self.tokenizer.eos_token_id)
         return ids
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Messages through the model's chat template, ready for the assistant's answer.
+    def encode_chat(self, messages: list[dict[str, object]],
+                    tools: list[dict[str, object]] | None = None) -> list[int]:
+        """Messages through the model's chat template, ready for the assistant's answer; with
+        ``tools`` (OpenAI's function specs), the template's own way of offering them.
 
         A model without a template (a base model) is a PresetError that says to use raw text;
         a template that refuses the messages (roles out of order, ...) is a RequestError with
@@ -125,7 +127,8 @@ class Pipeline:
             raise PresetError(f"preset '{self.preset.name}': the target model has no chat "
                               "template (a base model?): use raw text (--raw) or a chat model")
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+            text = self.tokenizer.apply_chat_template(messages, tools=tools or None,
+                                                      add_generation_prompt=True,
                                                       tokenize=False)
         except TemplateError as exc:
             raise RequestError(f"the model's chat template refused these messages: {exc}"

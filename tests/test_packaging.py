@@ -21,7 +21,8 @@ MAX_MODULE_LINES = 400
 LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"errors"}),  # the torch-free base: errors, names and limits, user files
     frozenset({"registry"}),
-    frozenset({"drafter_set"}),  # a method resolved into its drafters' names
+    frozenset({"drafter_set", "output_format"}),  # a method resolved into its drafters' names;
+    # what an answer must look like (a grammar's torch-free description)
     frozenset({"config"}),
     frozenset({"files"}),
     frozenset({"presets", "chats"}),  # preset files; the saved conversations (SQLite)
