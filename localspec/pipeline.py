@@ -40,6 +40,7 @@ from localspec.engine.stats import GenerationStats
 from localspec.errors import PresetError, RequestError
 from localspec.models.cache import Progress
 from localspec.models.loading import LoadedModel, check_same_tokenizer, load_model
+from localspec.output_format import OutputFormat
 from localspec.registry import drafter_spec
 from localspec.runtime.runner import ModelRunner
 from localspec.sampling import SamplingParams
@@ -210,17 +211,19 @@ class Pipeline:
         return self._engines[drafters.method]
 
     def request(self, prompt_ids: list[int], stop_strings: tuple[str, ...] = (),
-                reuse_prefix: bool = False, **overrides: object) -> GenerationRequest:
+                reuse_prefix: bool = False, output: OutputFormat | None = None,
+                **overrides: object) -> GenerationRequest:
         """A request with the preset's settings, any of them overridden by keyword (None keeps
         the preset's); validated as ``request_settings_for`` says. ``reuse_prefix``: a chat's
-        next turn, whose prompt starts with the last one's tokens (``GenerationRequest``)."""
+        next turn, whose prompt starts with the last one's tokens (``GenerationRequest``);
+        ``output``: the grammar the answer must follow (None: free text)."""
         r = request_settings_for(self.preset, **overrides)
         return GenerationRequest(
             prompt_ids=prompt_ids, max_new_tokens=r.max_new_tokens,
             sampling=SamplingParams(r.temperature, r.top_k, r.top_p),
             num_speculative_tokens=r.num_speculative_tokens, adaptive=r.adaptive,
             stop_strings=stop_strings, seed=r.seed, tree_width=r.tree_width,
-            reuse_prefix=reuse_prefix)
+            reuse_prefix=reuse_prefix, output=output)
 
     def engine_with(self, drafters: tuple[Drafter, ...]) -> SpeculativeEngine:
         """An engine over the target's runner with ``drafters`` (none: plain decoding); not

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from localspec.api.service import Job
+from localspec.api.tool_calls import CallReader, Piece, read_answer
 from localspec.engine.engine import StepEvent
 from localspec.engine.spans import TokenSpan, TokenTexts, event_spans
 
@@ -86,9 +87,13 @@ def completion(job: Job, kind: str, events: Iterable[StepEvent]) -> dict[str, ob
     text = "".join(e.text_delta for e in events)
     reason = FINISH.get(events[-1].finish_reason or "", "stop") if events else "stop"
     if kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text,
-                                          "refusal": None}, "logprobs": None,
-                  "finish_reason": reason}
+        message: dict[str, object] = {"role": "assistant", "content": text, "refusal": None}
+        if job.plan.reader is not None:
+            message["content"], calls = read_answer(text, job.plan.reader, job.plan.names)
+            if calls:
+                message["tool_calls"] = [call.openai() for call in calls]
+                reason = calls_reason(reason)
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
         body = _head(job, "chat.completion")
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
@@ -100,15 +105,24 @@ def completion(job: Job, kind: str, events: Iterable[StepEvent]) -> dict[str, ob
     return body
 
 
+def calls_reason(reason: str) -> str:
+    """The finish reason of an answer that made tool calls: ``tool_calls``, unless the token
+    limit cut it (a call it cut short came back as text)."""
+    return reason if reason == "length" else "tool_calls"
+
+
 def chunk(job: Job, kind: str, text: str | None, reason: str | None = None,
           role: bool = False, tokens: list[dict[str, object]] | None = None,
-          ) -> dict[str, object]:
+          tool_call: dict[str, object] | None = None) -> dict[str, object]:
     """One server-sent event of a stream: a piece of text (``role``: the first, which names the
-    assistant), and on the last one the finish reason and the speculation so far."""
+    assistant) or of a tool call, and on the last one the finish reason and the speculation so
+    far."""
     if kind == "chat":
         delta: dict[str, object] = {"role": "assistant"} if role else {}
         if text is not None:
             delta["content"] = text
+        if tool_call is not None:
+            delta["tool_calls"] = [tool_call]
         body = _head(job, "chat.completion.chunk")
         body["choices"] = [{"index": 0, "delta": delta, "logprobs": None,
                             "finish_reason": reason}]
@@ -132,3 +146,68 @@ def usage_chunk(job: Job, kind: str) -> dict[str, object]:
 
 def finish_reason(event: StepEvent) -> str | None:
     return FINISH.get(event.finish_reason) if event.finish_reason is not None else None
+
+
+def call_deltas(index: int, piece: Piece) -> list[dict[str, object]]:
+    """A whole call as OpenAI streams one: its id, type and name (arguments empty), then its
+    arguments."""
+    call = piece.call
+    assert call is not None
+    return [{"index": index, "id": call.id, "type": "function",
+             "function": {"name": call.name, "arguments": ""}},
+            {"index": index, "function": {"arguments": call.arguments}}]
+
+
+class ChatStream:
+    """The chunks of a streamed chat answer, step by step: text as content, and, when the
+    request offered tools, text that may be a call held back until it is read (``CallReader``),
+    then the call as ``tool_calls`` deltas; ``tool_calls`` is the finish reason of an answer
+    that made calls. The finish reason goes with the step's last piece of text, or alone."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        plan = job.plan
+        self.reader = (CallReader(plan.reader, plan.names) if plan.reader is not None
+                       else None)
+        self._calls = 0  # calls sent so far: the next one's index
+
+    def step(self, event: StepEvent, tokens: list[dict[str, object]] | None,
+             ) -> list[dict[str, object]]:
+        """The chunks for one step (its tokens go with the first, or with an empty chunk)."""
+        reason = finish_reason(event)
+        if self.reader is None:
+            pieces = [Piece(text=event.text_delta)] if event.text_delta else []
+        else:
+            pieces = self.reader.feed(event.text_delta)
+            if reason is not None:
+                pieces += self.reader.finish()
+                if self.reader.calls:
+                    reason = calls_reason(reason)
+        last_text = pieces.pop().text if pieces and pieces[-1].call is None and reason \
+            else None
+        chunks: list[dict[str, object]] = []
+        for piece in pieces:
+            if piece.call is None:
+                chunks.append(chunk(self.job, "chat", piece.text))
+                continue
+            chunks += [chunk(self.job, "chat", None, tool_call=delta)
+                       for delta in call_deltas(self._calls, piece)]
+            self._calls += 1
+        if reason is not None:
+            chunks.append(chunk(self.job, "chat", last_text, reason))
+        if tokens:
+            if not chunks:
+                chunks.append(chunk(self.job, "chat", None))
+            chunks[0]["localspec"] = {"tokens": tokens}
+        return chunks
+
+    def end(self) -> list[dict[str, object]]:
+        """The last chunks of an answer that ended without a last step: what was held back,
+        and the finish reason ``stop``."""
+        return self.step(END, None)
+
+
+# A step that adds nothing and ends the answer (``ChatStream.end``).
+END = StepEvent(step=0, k=0, drafted=(), accepted=0, target_token=None,
+                target_token_kind="bonus", tokens=(), p_target=(), q_draft=(), text_delta="",
+                draft_time=0.0, verify_time=0.0, finish_reason="stop")

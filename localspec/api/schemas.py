@@ -11,6 +11,7 @@ each token's kind and its rejected drafts, ``method`` picks one of the preset's 
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -22,30 +23,37 @@ from pydantic import (
     model_validator,
 )
 
+from localspec.api.tool_schemas import (
+    API_MAX_TOOLS,
+    AllowedToolsChoice,
+    MessageToolCall,
+    NamedTool,
+    ResponseFormat,
+    Tool,
+    ToolChoice,
+)
 from localspec.config import MAX_SEED, NewTokens, TopK, TopP
 
 API_MAX_STOP = 4  # stop strings per request, as OpenAI allows
 API_MAX_TEMPERATURE = 2.0  # OpenAI's range
 
 # Fields that never change an answer: accepted, ignored.
-IGNORED = frozenset({"user", "store", "metadata", "service_tier", "parallel_tool_calls",
-                     "reasoning_effort", "prompt_cache_key", "safety_identifier", "stream_options",
+IGNORED = frozenset({"user", "store", "metadata", "service_tier", "reasoning_effort",
+                     "prompt_cache_key", "safety_identifier", "stream_options",
                      "web_search_options"})
 # Fields ignored at these values only (what clients send by default); other values are refused.
 NEUTRAL: dict[str, tuple[Any, ...]] = {
     "frequency_penalty": (0,), "presence_penalty": (0,), "repetition_penalty": (1,),
     "min_p": (0,), "logprobs": (False, 0), "top_logprobs": (0,), "logit_bias": ({},),
-    "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"),
-    "function_call": ("none", "auto"), "response_format": ({"type": "text"},),
+    "functions": ([],), "function_call": ("none", "auto"),
     "modalities": (["text"],), "audio": (), "prediction": (), "echo": (False,),
     "best_of": (1,), "suffix": ("",),
 }
 WHY_REFUSED = {
-    "tools": "tool calling is not supported",
-    "functions": "tool calling is not supported",
+    "functions": "the legacy functions are not supported: send them as tools",
+    "function_call": "the legacy function_call is not supported: send tool_choice",
     "logprobs": "log probabilities are not returned (ask for localspec.tokens: each token's "
                 "probability under the target)",
-    "response_format": "only free text is supported (no JSON mode)",
 }
 
 Temperature = Annotated[float, Field(ge=0.0, le=API_MAX_TEMPERATURE, allow_inf_nan=False)]
@@ -114,8 +122,18 @@ class TextPart(BaseModel):
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")  # name, refusal, annotations: no effect here
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # the call a tool message answers
+
+    @field_validator("role", mode="before")
+    @classmethod
+    def _no_legacy_role(cls, value: object) -> object:
+        if value == "function":
+            raise ValueError("the legacy role 'function' is not supported: send the result as "
+                             "a 'tool' message with the call's tool_call_id")
+        return value
 
     @field_validator("content", mode="before")
     @classmethod
@@ -129,6 +147,15 @@ class Message(BaseModel):
                                      f"{kind!r}")
         return value
 
+    @model_validator(mode="after")
+    def _tool_fields(self) -> Message:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message has tool_calls")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a 'tool' message needs the tool_call_id of the call it answers "
+                             "(and only a tool message has one)")
+        return self
+
     def text(self) -> str:
         if isinstance(self.content, list):
             return "\n".join(part.text for part in self.content)
@@ -140,11 +167,101 @@ class ChatRequest(_Request):
 
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: NewTokens | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=API_MAX_TOOLS)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
 
-    def chat(self) -> list[dict[str, str]]:
-        """The messages as a chat template takes them (a developer message is a system one)."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in self.messages]
+    @model_validator(mode="after")
+    def _tools(self) -> ChatRequest:
+        names = [t.function.name for t in self.tools or ()]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"tools: the function name '{twice[0]}' is declared twice")
+        for name in self._chosen():
+            if name not in names:
+                raise ValueError(f"tool_choice: the function '{name}' is not among the tools "
+                                 f"({', '.join(names) or 'none declared'})")
+        if self.tool_choice == "required" and not names:
+            raise ValueError("tool_choice: 'required' needs tools")
+        self._answered_calls()
+        return self
+
+    def _chosen(self) -> list[str]:
+        """The function names ``tool_choice`` names (none for its plain modes)."""
+        choice = self.tool_choice
+        if isinstance(choice, NamedTool):
+            return [choice.function.name]
+        if isinstance(choice, AllowedToolsChoice):
+            return [t.function.name for t in choice.allowed_tools.tools]
+        return []
+
+    def _answered_calls(self) -> None:
+        """Each tool message answers a call of the assistant message before its run of tool
+        messages, as OpenAI requires."""
+        calls: dict[str, str] = {}  # the open calls: id -> function name
+        for i, m in enumerate(self.messages):
+            if m.role == "tool":
+                if m.tool_call_id not in calls:
+                    raise ValueError(f"messages.{i}: a 'tool' message must answer a tool call "
+                                     f"of the assistant message before it; tool_call_id "
+                                     f"'{m.tool_call_id}' names none")
+            else:
+                calls = {c.id: c.function.name for c in m.tool_calls or ()}
+
+    def allowed_tools(self) -> tuple[str, ...]:
+        """The functions the answer may call (none: tools are not offered at all)."""
+        if not self.tools or self.tool_choice == "none":
+            return ()
+        return tuple(self._chosen()) or tuple(t.function.name for t in self.tools)
+
+    def calls_required(self) -> bool:
+        """Whether the answer must be tool calls and nothing else."""
+        choice = self.tool_choice
+        return (choice == "required" or isinstance(choice, NamedTool)
+                or (isinstance(choice, AllowedToolsChoice)
+                    and choice.allowed_tools.mode == "required"))
+
+    def template_tools(self) -> list[dict[str, object]] | None:
+        """The tools as the chat template offers them (all declared ones: a narrower choice is
+        the grammar's), None under tool_choice "none"."""
+        if not self.allowed_tools():
+            return None
+        return [t.function.template() for t in self.tools or ()]
+
+    def chat(self) -> list[dict[str, object]]:
+        """The messages as a chat template takes them: a developer message is a system one, an
+        assistant's calls carry their arguments as objects, a tool message the function's name
+        beside the call's id."""
+        names: dict[str, str] = {}
+        out: list[dict[str, object]] = []
+        for m in self.messages:
+            entry: dict[str, object] = {"role": "system" if m.role == "developer" else m.role,
+                                        "content": m.text()}
+            if m.tool_calls:
+                entry["tool_calls"] = [{"id": c.id, "type": "function",
+                                        "function": {"name": c.function.name,
+                                                     "arguments": c.function.parsed()}}
+                                       for c in m.tool_calls]
+                names.update((c.id, c.function.name) for c in m.tool_calls)
+            if m.tool_call_id is not None:
+                entry.update(tool_call_id=m.tool_call_id, name=names.get(m.tool_call_id, ""))
+            out.append(entry)
+        return out
+
+    def saved(self) -> list[dict[str, str]]:
+        """The messages as the app's conversations keep them (system, user, assistant): calls
+        and tool results written out as text."""
+        out = []
+        for m in self.chat():
+            text = str(m["content"])
+            for call in m.get("tool_calls", ()):
+                function = call["function"]
+                text += f"\n[tool call] {function['name']}({json.dumps(function['arguments'])})"
+            if m["role"] == "tool":
+                m["role"], text = "user", f"[tool result {m['name']}] {text}"
+            out.append({"role": str(m["role"]), "content": text.strip()})
+        return out
 
     def new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

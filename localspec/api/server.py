@@ -166,13 +166,16 @@ async def _stream(generation: Generation, kind: str, include_usage: bool,
     if kind == "chat":
         yield _sse(responses.chunk(job, kind, "", role=True))
     reason = None
+    chat = responses.ChatStream(job) if kind == "chat" else None
     try:
         async for batch in generation.batches():
             pieces = []
             for event in batch:
                 tokens = responses.step_tokens(event, texts) if texts is not None else None
                 reason = responses.finish_reason(event)
-                if event.text_delta or tokens or reason is not None:
+                if chat is not None:
+                    pieces += [_sse(c) for c in chat.step(event, tokens)]
+                elif event.text_delta or tokens or reason is not None:
                     pieces.append(_sse(responses.chunk(job, kind, event.text_delta or None,
                                                        reason, tokens=tokens)))
             if pieces:
@@ -186,7 +189,8 @@ async def _stream(generation: Generation, kind: str, include_usage: bool,
         yield _sse(ServerError("internal error (the details are in the server log)").body())
         return
     if reason is None:  # ended without a final step (stopped while waiting)
-        yield _sse(responses.chunk(job, kind, None, "stop"))
+        yield b"".join(_sse(c) for c in chat.end()) if chat is not None \
+            else _sse(responses.chunk(job, kind, None, "stop"))
     if include_usage:
         yield _sse(responses.usage_chunk(job, kind))
     yield b"data: [DONE]\n\n"

@@ -24,6 +24,7 @@ import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
+from localspec.api.answer_plan import AnswerPlan, answer_plan
 from localspec.api.errors import BadRequest, Busy, Loading, NotFound, TooLarge
 from localspec.api.schemas import ChatRequest, CompletionRequest
 from localspec.chats.answers import SavedRequest, answer_settings, answer_summary
@@ -56,6 +57,7 @@ class Job:
     want_tokens: bool
     stats: GenerationStats = field(default_factory=GenerationStats)
     messages: list[dict[str, str]] | None = None  # a chat request's, to save
+    plan: AnswerPlan = field(default_factory=AnswerPlan)  # tools offered, grammar, calls read
 
     @property
     def prompt_tokens(self) -> int:
@@ -132,11 +134,15 @@ class ApiService:
             drafters = pipeline.preset.drafter_set(body.localspec.method)
         except PresetError as exc:  # not a method, or one this preset cannot run
             raise BadRequest(str(exc), param="localspec.method") from exc
+        plan = (answer_plan(body, pipeline.tokenizer.chat_template)
+                if isinstance(body, ChatRequest) else AnswerPlan())
         try:
-            prompt = (pipeline.encode_chat(body.chat()) if isinstance(body, ChatRequest)
+            prompt = (pipeline.encode_chat(body.chat(), plan.tools)
+                      if isinstance(body, ChatRequest)
                       else self._raw_prompt(pipeline, body.prompt))
-            request = pipeline.request(prompt, stop_strings=body.stop_strings(),
-                                       reuse_prefix=True, max_new_tokens=body.new_tokens(),
+            request = pipeline.request(prompt, stop_strings=body.stop_strings() + plan.stops,
+                                       reuse_prefix=True, output=plan.output,
+                                       max_new_tokens=body.new_tokens(),
                                        temperature=body.temperature, top_p=body.top_p,
                                        top_k=body.top_k, seed=body.seed)
         except LocalSpecError as exc:  # a template's refusal, a setting out of range, ...
@@ -150,7 +156,7 @@ class ApiService:
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         return Job(f"{prefix}-{secrets.token_hex(12)}", int(time.time()), body.model or active,
                    pipeline, request, drafters, body.localspec.tokens,
-                   messages=body.chat() if isinstance(body, ChatRequest) else None)
+                   messages=body.saved() if isinstance(body, ChatRequest) else None, plan=plan)
 
     @staticmethod
     def _raw_prompt(pipeline: Pipeline, prompt: str | list[str] | list[int]) -> list[int]:

@@ -30,6 +30,7 @@ from localspec.engine.choice import DraftPolicy
 from localspec.engine.drafter import Drafter, Proposal
 from localspec.engine.verify import Verdict, verify_greedy, verify_sampling, verify_tree
 from localspec.errors import LocalSpecError
+from localspec.output_format import OutputFormat
 from localspec.runtime.runner import ModelRunner
 from localspec.sampling import SamplingParams, logits_to_probs
 
@@ -55,6 +56,8 @@ class GenerationRequest:
     # keep the caches' tokens this prompt starts with (a conversation's earlier turns) where
     # they are exact (``ModelRunner.keep_prefix``); False: a cold start, as benchmarks need
     reuse_prefix: bool = False
+    # the grammar the answer must follow (None: free text); carried, not yet enforced here
+    output: OutputFormat | None = None
 
 
 @dataclass(frozen=True)
