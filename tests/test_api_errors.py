@@ -62,7 +62,8 @@ def test_a_body_that_is_not_a_json_object(url: str, body: bytes, needle: str) ->
 
 @pytest.mark.parametrize(("fields", "needle", "param"), [
     ({"messages": []}, "at least 1", "messages"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "Input should be", "messages.0.role"),
+    ({"messages": [{"role": "critic", "content": "x"}]}, "Input should be", "messages.0.role"),
+    ({"messages": [{"role": "function", "content": "x"}]}, "legacy role", "messages.0.role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "only text parts are supported", "messages.0.content"),
     ({"temperature": "hot"}, "valid number", "temperature"),
@@ -74,9 +75,10 @@ def test_a_body_that_is_not_a_json_object(url: str, body: bytes, needle: str) ->
     ({"stop": ["a", "b", "c", "d", "e"]}, "at most 4", None),
     ({"temprature": 0.5}, "unrecognized request argument supplied: temprature", None),
     ({"frequency_penalty": 0.5}, "would change the answer", None),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool calling", None),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "no tool-call format",
+     "tools"),
     ({"logprobs": True}, "localspec.tokens", None),
-    ({"response_format": {"type": "json_object"}}, "JSON mode", None),
+    ({"function_call": {"name": "f"}}, "send tool_choice", None),
     ({"localspec": {"method": "warp"}}, "unknown method 'warp'", "localspec.method"),
     ({"localspec": {"method": "eagle3"}}, "needs a head", None),
     ({"localspec": {"colour": True}}, "Extra inputs", "localspec.colour"),
