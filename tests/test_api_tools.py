@@ -126,6 +126,14 @@ def test_calls_whole_and_streamed_are_the_same(url: str, script: Script) -> None
         [(name, args) for _, name, args in calls]
     assert all(c["id"].startswith("call_") for c in streamed)
     assert not any("tool_call" in p for p in pieces)  # no raw tag leaked
+    # the client sends the message back with a result for each call, as agents do
+    script.pieces = ["It is 18 C in Paris and 9 C in Oslo."]
+    history = [*USER, choice.message, *({"role": "tool", "tool_call_id": c.id, "content": t}
+                                        for c, t in zip(choice.message.tool_calls,
+                                                        ("18 C", "9 C"), strict=True))]
+    again = client(url).chat.completions.create(model=None, messages=history, tools=TOOLS)
+    assert again.choices[0].message.content == script.pieces[0]
+    assert again.choices[0].finish_reason == "stop"
 
 
 def test_text_and_a_malformed_call_come_back_as_text(url: str, script: Script) -> None:

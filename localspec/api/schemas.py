@@ -7,6 +7,12 @@ ignoring it would change the answer, so it is refused with a 400 that names it, 
 nobody sends (a typo such as ``temprature`` must not pass silently). ``top_k`` is read, as vLLM
 and llama.cpp's server do. Our own extension lives under ``localspec``: ``tokens`` asks for
 each token's kind and its rejected drafts, ``method`` picks one of the preset's methods.
+
+A chat request may offer ``tools`` (``tool_schemas``) and carry earlier calls in its history:
+an assistant message's ``tool_calls`` and the ``tool`` messages that answer them, each of which
+must answer a call of the assistant message just before its run, as OpenAI requires.
+``chat()`` gives the messages in the shape chat templates take (a call's arguments as an
+object), ``saved()`` as the app's conversations keep them.
 """
 
 from __future__ import annotations
