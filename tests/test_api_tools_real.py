@@ -125,3 +125,37 @@ def test_a_named_tool_is_called_even_off_topic(client: OpenAI, grammar: None) ->
     assert call.function.name == "get_weather"
     assert isinstance(json.loads(call.function.arguments)["city"], str)
     assert reply.choices[0].finish_reason == "tool_calls"
+
+
+def test_an_openai_agents_sdk_agent_calls_the_tool_and_answers(client: OpenAI) -> None:
+    """The OpenAI Agents SDK's own loop, whole and streamed: the model calls the tool, the SDK
+    runs it and sends the result back, the model answers from it."""
+    agents = pytest.importorskip("agents")
+    import asyncio
+
+    from openai import AsyncOpenAI
+
+    asked: list[str] = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """Get the current weather in a city."""
+        asked.append(city)
+        return json.dumps({"city": city, "celsius": 18, "sky": "sunny"})
+
+    agents.set_tracing_disabled(True)
+    model = agents.OpenAIChatCompletionsModel(
+        model=PRESET, openai_client=AsyncOpenAI(base_url=str(client.base_url), api_key="none"))
+    agent = agents.Agent(name="weather", instructions=SYSTEM, tools=[get_weather], model=model,
+                         model_settings=agents.ModelSettings(temperature=0, max_tokens=64))
+
+    async def run() -> tuple[str, str]:
+        whole = await agents.Runner.run(agent, "What's the weather in Paris?")
+        streamed = agents.Runner.run_streamed(agent, "What's the weather in Tokyo?")
+        async for _ in streamed.stream_events():
+            pass
+        return whole.final_output, streamed.final_output
+
+    paris, tokyo = asyncio.run(run())
+    assert asked == ["Paris", "Tokyo"]
+    assert "Paris" in paris and "18" in paris and "Tokyo" in tokyo and "18" in tokyo
