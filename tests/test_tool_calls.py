@@ -17,10 +17,10 @@ from localspec.api.tool_format import LLAMA3, QWEN, answer_format, detect_format
 from localspec.api.tool_schemas import API_MAX_SCHEMA_CHARS
 from localspec.output_format import OutputFormat, TaggedJson
 
-NAMES = {"get_weather", "add"}
+PARAMS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+NAMES = {"get_weather": PARAMS, "add": {"type": "object"}}
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 ADD = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
-PARAMS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": PARAMS}},
          {"type": "function", "function": {"name": "add"}}]
 USER = [{"role": "user", "content": "hi"}]
@@ -71,6 +71,8 @@ def test_calls_are_read_whole_and_streamed_alike(text: str, content: str | None,
     '```json\n{"name": "nope", "arguments": {}}\n```',
     '```json\n{"a": 1}\n```',
     '```json\n{"name": "add", "arguments": {}}\n```\nand some text',
+    '```json\n{"name": "get_weather", "arguments": {"town": "Paris"}}\n```',  # off its schema
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": 7}}\n</tool_call>',
 ])
 def test_a_malformed_call_is_given_back_as_the_text_it_was(text: str) -> None:
     assert read_answer(text, QWEN, NAMES) == (text, [])
@@ -133,11 +135,11 @@ def test_a_requests_plan() -> None:
     p = plan(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}})
     assert p.output.tags_only and [t.begin for t in p.output.tags] == [QWEN.begin("add")]
     assert p.output.tags[0].schema == {"type": "object", "properties": {}}
-    assert p.names == ("add",) and [t["function"]["name"] for t in p.tools] == \
-        ["get_weather", "add"]
+    assert p.functions == {"add": {"type": "object", "properties": {}}}
+    assert [t["function"]["name"] for t in p.tools] == ["get_weather", "add"]
     p = plan(tools=TOOLS, tool_choice={"type": "allowed_tools", "allowed_tools": {
         "mode": "auto", "tools": [{"type": "function", "function": {"name": "get_weather"}}]}})
-    assert p.names == ("get_weather",) and p.output.triggers == ("<tool_call>",)
+    assert list(p.functions) == ["get_weather"] and p.output.triggers == ("<tool_call>",)
     p = plan(tools=TOOLS, tool_choice="none")
     assert p.tools is None and p.output is None and p.reader is None
     assert plan(tools=TOOLS, parallel_tool_calls=False).stops == ("</tool_call>",)

@@ -11,24 +11,25 @@ the format has a text that ends one.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from localspec.api.errors import BadRequest
 from localspec.api.schemas import ChatRequest
 from localspec.api.tool_format import ToolFormat, answer_format, detect_format, parameters
-from localspec.output_format import OutputFormat
+from localspec.output_format import JsonSchema, OutputFormat
 
 
 @dataclass(frozen=True)
 class AnswerPlan:
     """``tools``: what the chat template offers (None: nothing); ``output``: the grammar (None:
-    free text); ``reader``: the format calls are read in and ``names`` the functions they may
-    call (no reader: the answer is text only); ``stops``: stop strings added to the request's."""
+    free text); ``reader``: the format calls are read in and ``functions`` those they may call
+    (name -> parameters' schema; no reader: the answer is text only); ``stops``: stop strings
+    added to the request's."""
 
     tools: list[dict[str, object]] | None = None
     output: OutputFormat | None = None
     reader: ToolFormat | None = None
-    names: tuple[str, ...] = ()
+    functions: Mapping[str, JsonSchema] = field(default_factory=dict)
     stops: tuple[str, ...] = ()
 
 
@@ -50,5 +51,6 @@ def answer_plan(body: ChatRequest, chat_template: str | Mapping[str, str] | None
         raise BadRequest(str(exc), param="response_format") from exc
     stops = ((fmt.stop_after_call,) if fmt is not None and fmt.stop_after_call is not None
              and body.parallel_tool_calls is False else ())
-    return AnswerPlan(tools=body.template_tools(), output=output, reader=fmt, names=allowed,
+    return AnswerPlan(tools=body.template_tools(), output=output, reader=fmt,
+                      functions={name: schemas[name] for name in allowed},
                       stops=stops)

@@ -89,7 +89,7 @@ def completion(job: Job, kind: str, events: Iterable[StepEvent]) -> dict[str, ob
     if kind == "chat":
         message: dict[str, object] = {"role": "assistant", "content": text, "refusal": None}
         if job.plan.reader is not None:
-            message["content"], calls = read_answer(text, job.plan.reader, job.plan.names)
+            message["content"], calls = read_answer(text, job.plan.reader, job.plan.functions)
             if calls:
                 message["tool_calls"] = [call.openai() for call in calls]
                 reason = calls_reason(reason)
@@ -167,7 +167,7 @@ class ChatStream:
     def __init__(self, job: Job) -> None:
         self.job = job
         plan = job.plan
-        self.reader = (CallReader(plan.reader, plan.names) if plan.reader is not None
+        self.reader = (CallReader(plan.reader, plan.functions) if plan.reader is not None
                        else None)
         self._calls = 0  # calls sent so far: the next one's index
 

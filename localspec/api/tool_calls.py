@@ -8,9 +8,11 @@ stands just before a call. A non-streaming answer is the same reader fed the who
 once, so a stream's pieces always add up to the non-streamed message.
 
 A call is valid when its text is one JSON object with a ``name`` among the request's tools and
-its arguments a JSON object (or a string holding one). Anything else, a call cut short by the
-token limit, a name the request did not declare, broken JSON, is given back as the text it
-was, never dropped and never an error. An answer without calls comes back exactly as
+its arguments a JSON object (or a string holding one) that follows the tool's parameters'
+schema (the grammar engine makes a call in the model's tags follow it; an unconstrained one, a
+Markdown block, is checked here). Anything else, a call cut short by the token limit, a name
+the request did not declare, broken JSON, is given back as the text it was, never dropped and
+never an error. An answer without calls comes back exactly as
 generated. Torch-free.
 """
 
@@ -18,12 +20,15 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import Iterable
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import regex
+from jsonschema import Draft202012Validator
+from jsonschema.validators import validator_for
 
 from localspec.api.tool_format import ToolFormat
+from localspec.output_format import JsonSchema
 
 # The start of a Markdown JSON block holding a call: enough to tell it from other JSON.
 FENCE_HEAD = r'\s*```(?:json)?[ \t]*\r?\n\s*\{\s*"name"\s*:\s*"(?P<name>[^"\\]*)"'
@@ -57,14 +62,23 @@ class Piece:
     call: ToolCall | None = None
 
 
-def parse_call(body: str | object, fmt: ToolFormat, names: frozenset[str]) -> ToolCall | None:
-    """The call that ``body`` (a JSON text, or a value already decoded) is, or None."""
+def follows(value: object, schema: JsonSchema) -> bool:
+    """Whether ``value`` is valid under the JSON Schema ``schema``."""
+    if isinstance(schema, bool):
+        return schema
+    return validator_for(schema, default=Draft202012Validator)(schema).is_valid(value)
+
+
+def parse_call(body: str | object, fmt: ToolFormat, tools: Mapping[str, JsonSchema],
+               ) -> ToolCall | None:
+    """The call that ``body`` (a JSON text, or a value already decoded) is, to one of ``tools``
+    (name -> parameters' schema) with arguments of its schema, or None."""
     if isinstance(body, str):
         try:
             body = json.loads(body)
         except (json.JSONDecodeError, RecursionError):
             return None
-    if not isinstance(body, dict) or body.get("name") not in names:
+    if not isinstance(body, dict) or body.get("name") not in tools:
         return None
     args = body.get(fmt.args_key, body.get("arguments", body.get("parameters", {})))
     if isinstance(args, str):
@@ -72,7 +86,7 @@ def parse_call(body: str | object, fmt: ToolFormat, names: frozenset[str]) -> To
             args = json.loads(args)
         except (json.JSONDecodeError, RecursionError):
             return None
-    if not isinstance(args, dict):
+    if not isinstance(args, dict) or not follows(args, tools[body["name"]]):
         return None
     return ToolCall(new_call_id(), str(body["name"]), json.dumps(args, ensure_ascii=False))
 
@@ -90,9 +104,9 @@ class CallReader:
     """The text and tool calls of one answer, read as its text streams in (``feed``, then
     ``finish`` once at its end)."""
 
-    def __init__(self, fmt: ToolFormat, names: Iterable[str]) -> None:
+    def __init__(self, fmt: ToolFormat, tools: Mapping[str, JsonSchema]) -> None:
         self.fmt = fmt
-        self.names = frozenset(names)
+        self.tools = tools  # the functions it may call: name -> parameters' schema
         self.calls = 0  # valid calls read so far
         self._state = "start" if fmt.fenced else "text"
         self._pending = ""  # read, not yet given out
@@ -148,7 +162,7 @@ class CallReader:
         match = regex.match(FENCE_HEAD, self._pending, partial=True)
         if match is not None and match.partial:
             return False
-        called = match is not None and match.group("name") in self.names
+        called = match is not None and match.group("name") in self.tools
         self._state = "fenced" if called else "text"
         return not called
 
@@ -197,7 +211,7 @@ class CallReader:
     # ------------------------------------------------------------------ helpers
 
     def _call_or_text(self, out: list[Piece], body: str | object, raw: str) -> None:
-        call = parse_call(body, self.fmt, self.names)
+        call = parse_call(body, self.fmt, self.tools)
         if call is None:
             self._say(out, self._gap + raw)
         else:
@@ -218,7 +232,7 @@ class CallReader:
         calls, at = [], 0
         while at < len(text):
             block = FENCE_BLOCK.match(text, at)
-            call = parse_call(block.group("body"), self.fmt, self.names) if block else None
+            call = parse_call(block.group("body"), self.fmt, self.tools) if block else None
             if block is None or call is None:
                 return None
             calls.append(call)
@@ -226,10 +240,10 @@ class CallReader:
         return calls or None
 
 
-def read_answer(text: str, fmt: ToolFormat, names: Iterable[str],
+def read_answer(text: str, fmt: ToolFormat, tools: Mapping[str, JsonSchema],
                 ) -> tuple[str | None, list[ToolCall]]:
-    """A whole answer's content (None when it is only calls) and its calls."""
-    reader = CallReader(fmt, names)
+    """A whole answer's content (None when it is only calls) and its calls to ``tools``."""
+    reader = CallReader(fmt, tools)
     pieces = reader.feed(text) + reader.finish()
     calls = [p.call for p in pieces if p.call is not None]
     content = "".join(p.text for p in pieces)
