@@ -128,6 +128,16 @@ MAX_CORPUS_BYTES = 4 * MAX_USER_FILE_BYTES
 # Requests the API holds at once, waiting or generating: one more gets a 429, never a hang
 API_MAX_QUEUED = 16
 API_KEY_ENV = "LOCALSPEC_API_KEY"  # read when --api-key is not given
+# Structured output (engine/grammar.py): an answer's format (its ``OutputFormat.key()`` text)
+# longer than this, or a compile slower than this, is refused with a FormatError (HTTP 400)
+MAX_FORMAT_CHARS = 200_000
+GRAMMAR_COMPILE_TIMEOUT_S = 10.0
+GRAMMAR_CACHE_SIZE = 32  # compiled formats a pipeline keeps (by OutputFormat.key())
+# The whitespace a JSON value may hold between its tokens: enough for pretty-printed nesting,
+# bounded so that a model cannot spend its answer on blanks
+JSON_WHITESPACE = r"[ \t\n]{0,16}"
+# Tokens the grammar forces that a step may append after the drafter's last one (free drafts)
+MAX_FORCED_DRAFTS = 16
 
 SpecTokens = Annotated[int, Field(ge=1, le=MAX_SPECULATIVE_TOKENS)]
 TreeWidth = Annotated[int, Field(ge=1, le=MAX_TREE_WIDTH)]

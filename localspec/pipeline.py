@@ -36,6 +36,7 @@ from localspec.drafter_set import DrafterSet
 from localspec.drafters.base import BuildContext
 from localspec.engine.drafter import Drafter
 from localspec.engine.engine import GenerationRequest, SpeculativeEngine, StepEvent
+from localspec.engine.grammar import CompiledGrammar, FormatError, GrammarCache, grammar_vocab
 from localspec.engine.stats import GenerationStats
 from localspec.errors import PresetError, RequestError
 from localspec.models.cache import Progress
@@ -78,6 +79,7 @@ class Pipeline:
     draft: LoadedModel | None
     _engines: dict[str, SpeculativeEngine] = field(default_factory=dict)
     _runner: ModelRunner | None = None
+    _grammars: GrammarCache | None = None
 
     @classmethod
     def load(cls, preset: Preset, progress: Progress | None = None, load_draft: bool = True,
@@ -215,15 +217,32 @@ class Pipeline:
                 **overrides: object) -> GenerationRequest:
         """A request with the preset's settings, any of them overridden by keyword (None keeps
         the preset's); validated as ``request_settings_for`` says. ``reuse_prefix``: a chat's
-        next turn, whose prompt starts with the last one's tokens (``GenerationRequest``);
-        ``output``: the grammar the answer must follow (None: free text)."""
+        next turn, whose prompt starts with the last one's tokens (``GenerationRequest``).
+        ``output``: the answer's format (structured output), compiled here once per format
+        (``grammar``); a format that cannot be used raises ``FormatError``."""
         r = request_settings_for(self.preset, **overrides)
         return GenerationRequest(
             prompt_ids=prompt_ids, max_new_tokens=r.max_new_tokens,
             sampling=SamplingParams(r.temperature, r.top_k, r.top_p),
             num_speculative_tokens=r.num_speculative_tokens, adaptive=r.adaptive,
             stop_strings=stop_strings, seed=r.seed, tree_width=r.tree_width,
-            reuse_prefix=reuse_prefix, output=output)
+            reuse_prefix=reuse_prefix, grammar=None if output is None else self.grammar(output))
+
+    def grammar(self, output: OutputFormat) -> CompiledGrammar:
+        """``output`` compiled for the target's tokenizer, cached by ``OutputFormat.key()``;
+        the tokenizer's side is built at the first call (1-3 s for a 152k vocabulary). The end
+        of a constrained answer is the tokenizer's own end token. FormatError when the format
+        cannot be used (the API answers 400)."""
+        if self._grammars is None:
+            eos_ids = self.eos_token_ids()
+            if not eos_ids:
+                raise FormatError(f"preset '{self.preset.name}': the target has no end token, "
+                                  "and a structured answer must be able to end")
+            eos = (self.tokenizer.eos_token_id if self.tokenizer.eos_token_id in eos_ids
+                   else min(eos_ids))
+            self._grammars = GrammarCache(grammar_vocab(self.tokenizer, self.target.vocab_size,
+                                                        eos))
+        return self._grammars.get(output)
 
     def engine_with(self, drafters: tuple[Drafter, ...]) -> SpeculativeEngine:
         """An engine over the target's runner with ``drafters`` (none: plain decoding); not

@@ -31,6 +31,7 @@ SLOW_TESTS = frozenset({
     "test_engine_sampling.py::test_a_chain_that_ends_itself_keeps_the_target_distribution",
     "test_engine_sampling.py::test_sampled_first_two_tokens_match_target_distribution",
     "test_engine_sampling.py::test_statistical_check_has_power",
+    "test_grammar_sampling.py::test_constrained_sampling_through_the_engine_is_exact",
     "test_gpucheck.py::test_tiny_run_writes_the_report",
     "test_hub_download.py::test_an_interrupted_download_resumes_in_the_next_add",
     "test_memory.py::test_w8a8_linear_memory_flat_over_many_prompt_lengths",

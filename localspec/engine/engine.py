@@ -27,10 +27,11 @@ import torch
 
 from localspec.config import MAX_SPECULATIVE_TOKENS
 from localspec.engine.choice import DraftPolicy
+from localspec.engine.constraint import Constraint, Shaped
 from localspec.engine.drafter import Drafter, Proposal
+from localspec.engine.grammar import CompiledGrammar
 from localspec.engine.verify import Verdict, verify_greedy, verify_sampling, verify_tree
 from localspec.errors import LocalSpecError
-from localspec.output_format import OutputFormat
 from localspec.runtime.runner import ModelRunner
 from localspec.sampling import SamplingParams, logits_to_probs
 
@@ -56,8 +57,9 @@ class GenerationRequest:
     # keep the caches' tokens this prompt starts with (a conversation's earlier turns) where
     # they are exact (``ModelRunner.keep_prefix``); False: a cold start, as benchmarks need
     reuse_prefix: bool = False
-    # the grammar the answer must follow (None: free text); carried, not yet enforced here
-    output: OutputFormat | None = None
+    # the grammar every answer token must follow (structured output), compiled once per
+    # format by the pipeline; None: free text
+    grammar: CompiledGrammar | None = None
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,7 @@ class StepEvent:
     finish_reason: str | None = None  # "eos" | "stop" | "length" | "cancelled" | None
     drafter: str | None = None  # the drafter of ``drafted`` (its traits' name); None: no drafts
     cached: int = 0  # first step only: prompt tokens kept from the last request's cache
+    forced: int = 0  # drafted tokens the grammar forced (the only one it allowed): free drafts
 
     @property
     def rejected(self) -> tuple[int, ...]:
@@ -196,6 +199,7 @@ class SpeculativeEngine:
         context = list(request.prompt_ids)
         policy, cached, prefill_cost = self._start(request, context)
         width = request.tree_width if params.greedy and self.target.supports_trees else 1
+        constraint = None if request.grammar is None else Constraint(request.grammar)
         generated = step = 0
         while True:
             step += 1
@@ -205,14 +209,22 @@ class SpeculativeEngine:
             t0 = time.perf_counter()
             draft = policy.draft(context, max_new - generated, params, generator, width,
                                  prefill_cost)
+            # the grammar cuts and extends the drafts (step 1 of 3 of a constraint)
+            shaped = None if constraint is None else constraint.shape(draft.proposal,
+                                                                      max_new - generated)
+            proposal = draft.proposal if shaped is None else shaped.proposal
             t1 = time.perf_counter()
-            verdict, path, p_rows = self._verify(context, draft.proposal, params, generator)
+            verdict, path, p_rows = self._verify(context, proposal, params, generator,
+                                                 constraint, shaped)
             t2 = time.perf_counter()
-            drafts = draft.proposal.tokens
+            drafts = proposal.tokens
             new_tokens = [*(drafts[r - 1] for r in path[1:]), verdict.token]
             kept, finish = self._cut(new_tokens, generated, max_new)
+            if constraint is not None and shaped is not None:
+                constraint.advance(shaped, kept)  # step 3 of 3: the matcher follows the output
             context.extend(kept)
-            policy.record(draft, verdict.num_accepted, t2 - t1, context)
+            policy.record(draft, verdict.num_accepted if shaped is None
+                          else min(verdict.num_accepted, shaped.own), t2 - t1, context)
             generated += len(kept)
             delta, stopped = stream.push(kept, final=finish is not None)
             # the kept path's drafts first: drafted[:accepted] are the accepted tokens
@@ -226,14 +238,16 @@ class SpeculativeEngine:
                 target_token_kind="bonus" if verdict.is_bonus else "recovered",
                 tokens=tuple(kept),
                 p_target=tuple(float(p_rows[i, t]) for i, t in enumerate(kept)),
-                q_draft=tuple(draft.proposal.confidences[r - 1] for r in order
-                              if r <= len(draft.proposal.confidences)),
+                q_draft=tuple(proposal.confidences[r - 1] for r in order
+                              if r <= len(proposal.confidences)),
                 text_delta=delta,
                 draft_time=t1 - t0,
                 verify_time=t2 - t1,
                 finish_reason="stop" if stopped else finish,
-                drafter=policy.name(draft),
+                drafter="grammar" if shaped is not None and shaped.grammar_only
+                else policy.name(draft),
                 cached=cached if step == 1 else 0,
+                forced=0 if shaped is None else shaped.forced,
             )
             if stopped or finish is not None:
                 return
@@ -267,10 +281,13 @@ class SpeculativeEngine:
         proposal: Proposal,
         params: SamplingParams,
         generator: torch.Generator,
+        constraint: Constraint | None = None,
+        shaped: Shaped | None = None,
     ) -> tuple[Verdict, list[int], torch.Tensor]:
         """One target pass over ``[pending, *drafts]``; return the verdict, the kept path (feed
         rows: 0 and the accepted drafts') and target probabilities of the kept rows. The
-        target's cache keeps the path; the target's own token is pending."""
+        target's cache keeps the path; the target's own token is pending. With a
+        ``constraint``, p is the target masked by the grammar (``shaped``: its rows)."""
         drafts = proposal.tokens
         if proposal.parents is not None:  # a tree: every node sees its root path only
             logits = self.target.forward([context[-1], *drafts], parents=[-1, *proposal.parents])
@@ -278,6 +295,8 @@ class SpeculativeEngine:
             self.target.keep_path(path)
             return verdict, path, torch.softmax(logits[path], dim=-1)
         logits = self.target.forward([context[-1], *drafts])  # [len(drafts) + 1, vocab]
+        if constraint is not None and shaped is not None:
+            logits = constraint.mask(logits, shaped)  # step 2 of 3: p is the masked target
         if params.greedy:
             # probabilities of the rows whose tokens are kept only: a softmax over 151,936
             # logits costs ~1 ms a row, and a rejected draft's row is never shown
@@ -286,7 +305,8 @@ class SpeculativeEngine:
         else:
             p_rows = logits_to_probs(logits, params)  # [k + 1, vocab]
             q_draft = proposal.q_draft[: len(drafts)] if proposal.q_draft is not None else None
-            verdict = verify_sampling(p_rows, q_draft, drafts, generator)
+            verdict = verify_sampling(p_rows, q_draft, drafts, generator,
+                                      None if shaped is None else shaped.refused)
         self.target.crop(len(context) + verdict.num_accepted)
         return verdict, list(range(verdict.num_accepted + 1)), p_rows
 

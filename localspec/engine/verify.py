@@ -101,11 +101,18 @@ def verify_sampling(
     q_draft: torch.Tensor | None,
     draft_tokens: list[int],
     generator: torch.Generator,
+    refused: tuple[int, torch.Tensor | None] | None = None,
 ) -> Verdict:
     """Speculative sampling: accept x_i with min(1, p/q), else draw from the residual.
 
     p_target: [k + 1, vocab] target probabilities (already warped by ``logits_to_probs``).
     q_draft:  [k, vocab] draft probabilities under the same warping, or None (one-hot draft).
+    refused:  a draft x_k drawn from q_k (None: one-hot) and cut before the pass because p_k
+              (a grammar's masked target) gives it probability 0: its acceptance probability
+              is 0, so once the k drafts before it are accepted, the token at row k is the
+              residual's norm(max(0, p_k - q_k)), not p_k's. Drawing from p_k there would
+              over-weight the tokens q_k also proposes (each was already accepted with
+              probability min(q, p) on the path where it was drafted).
     The emitted tokens are distributed exactly as sampling from p one token at a time.
     """
     k = len(draft_tokens)
@@ -117,4 +124,8 @@ def verify_sampling(
             continue
         residual = residual_distribution(p_target[i], q_i, token)
         return Verdict(i, sample(residual, generator), False)
+    if refused is not None:
+        token, q_k = refused
+        return Verdict(k, sample(residual_distribution(p_target[k], q_k, token), generator),
+                       False)
     return Verdict(k, sample(p_target[k], generator), True)
