@@ -9,10 +9,14 @@ text (an ``is_error`` result is prefixed ``Error:``). ``tools`` (``name``, ``des
 ``required``), ``tool`` (a named function) and ``none``; ``stop_sequences`` is ``stop``.
 ``max_tokens`` is required and ``temperature`` runs 0 to 1, as Anthropic has them.
 
+``output_config.format`` (a JSON schema) is chat's ``response_format``. ``temperature``,
+``top_p`` and ``top_k`` are read as older clients send them (newer ones send them as extra body
+fields, if at all).
+
 A field Anthropic defines that cannot change an answer here (``metadata``, ``service_tier``,
-``cache_control`` on a block) is accepted and ignored; ``thinking`` only when disabled; anything
-else is refused by name (``Extra inputs are not permitted``, Anthropic's words). Our own
-``localspec`` extension is read as in chat.
+``cache_control``, ``speed``, ``inference_geo``, ``output_config.effort``) is accepted and
+ignored; ``thinking`` only when disabled; anything else is refused by name (``Extra inputs are
+not permitted``, Anthropic's words). Our own ``localspec`` extension is read as in chat.
 """
 
 from __future__ import annotations
@@ -29,9 +33,19 @@ from localspec.config import NewTokens, TopK, TopP
 ChatMessage = dict[str, Any]
 Temperature = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]  # Anthropic's range
 
-IGNORED = frozenset({"metadata", "service_tier"})
+IGNORED = frozenset({"metadata", "service_tier", "cache_control", "speed", "inference_geo",
+                     "diagnostics", "user_profile_id", "workspace_id"})
 NEUTRAL: dict[str, tuple[Any, ...]] = {"thinking": ({"type": "disabled"},), "mcp_servers": ([],),
                                        "container": ()}
+
+
+class OutputConfig(BaseModel):
+    """``output_config``: the answer's format (a JSON schema), and an effort level for
+    Anthropic's reasoning models (no effect here)."""
+
+    model_config = ConfigDict(extra="forbid")
+    effort: str | None = None
+    format: dict[str, Any] | None = None
 
 
 class _Body(BaseModel):
@@ -43,6 +57,7 @@ class _Body(BaseModel):
     system: str | list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
+    output_config: OutputConfig | None = None
     localspec: LocalSpecOptions = Field(default_factory=LocalSpecOptions)
 
     @model_validator(mode="after")
@@ -205,8 +220,22 @@ def chat_tool_choice(choice: dict[str, Any] | None) -> str | dict[str, Any] | No
                      "none", param="tool_choice")
 
 
+def response_format(config: OutputConfig | None) -> dict[str, Any] | None:
+    """``output_config.format`` (``{"type": "json_schema", "schema"}``) as chat's
+    ``response_format``."""
+    if config is None or config.format is None:
+        return None
+    if config.format.get("type") != "json_schema" or not isinstance(
+            config.format.get("schema"), dict):
+        raise BadRequest("output_config.format: {\"type\": \"json_schema\", \"schema\": {...}} "
+                         "is the format supported", param="output_config.format")
+    return {"type": "json_schema",
+            "json_schema": {"name": "output", "schema": config.format["schema"]}}
+
+
 # chat's field names, as an Anthropic client knows them (for chat's refusals)
-RENAME = {"stop": "stop_sequences", "messages": "messages"}
+RENAME = {"stop": "stop_sequences", "messages": "messages",
+          "response_format": "output_config.format"}
 
 
 def chat_body(request: _Body) -> dict[str, Any]:
@@ -214,7 +243,8 @@ def chat_body(request: _Body) -> dict[str, Any]:
     body: dict[str, Any] = {"model": request.model, "messages": chat_messages(request),
                             "localspec": request.localspec.model_dump()}
     optional: dict[str, Any] = {"tools": chat_tools(request.tools),
-                                "tool_choice": chat_tool_choice(request.tool_choice)}
+                                "tool_choice": chat_tool_choice(request.tool_choice),
+                                "response_format": response_format(request.output_config)}
     if request.tool_choice is not None and "disable_parallel_tool_use" in request.tool_choice:
         optional["parallel_tool_calls"] = not request.tool_choice["disable_parallel_tool_use"]
     if isinstance(request, MessagesRequest):
