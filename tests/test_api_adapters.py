@@ -349,9 +349,18 @@ def test_messages_become_chat_messages() -> None:
         "auto", "none"]
     assert messages_request.chat_tool_choice({"type": "tool", "name": "f"}) == {
         "type": "function", "function": {"name": "f"}}
-    counted = messages_request.chat_body(CountTokensRequest(model="m", messages=[
-        {"role": "user", "content": "hi"}]))
+    counted = messages_request.chat_body(CountTokensRequest.model_validate({
+        "model": "m", "max_tokens": 5, "stream": True, "temperature": 0.5,
+        "messages": [{"role": "user", "content": "hi"}]}))  # the body about to be sent
     assert "max_tokens" not in counted and "stream" not in counted
+    structured = messages_request.chat_body(MessagesRequest(
+        model="m", max_tokens=5, messages=[{"role": "user", "content": "hi"}],
+        output_config={"effort": "low", "format": {"type": "json_schema",
+                                                   "schema": {"type": "object"}}}))
+    assert structured["response_format"] == {"type": "json_schema", "json_schema": {
+        "name": "output", "schema": {"type": "object"}}}
+    with pytest.raises(BadRequest, match="json_schema"):
+        messages_request.response_format(messages_request.OutputConfig(format={"type": "xml"}))
 
 
 @pytest.mark.parametrize(("fields", "needle", "param"), [

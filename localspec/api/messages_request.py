@@ -47,6 +47,9 @@ class OutputConfig(BaseModel):
     effort: str | None = None
     format: dict[str, Any] | None = None
 
+ANSWER_ONLY = frozenset({"max_tokens", "stop_sequences", "temperature", "top_p", "top_k",
+                         "stream"})
+
 
 class _Body(BaseModel):
     """What ``/messages`` and ``/messages/count_tokens`` share."""
@@ -85,7 +88,16 @@ class MessagesRequest(_Body):
 
 
 class CountTokensRequest(_Body):
-    """``POST /v1/messages/count_tokens``: a request's input, without what shapes the answer."""
+    """``POST /v1/messages/count_tokens``: a request's input. What shapes only the answer
+    (``max_tokens``, sampling, stop sequences, ``stream``) is accepted and ignored: a client
+    may count the very body it is about to send."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _answer_fields(cls, value: object) -> object:
+        if isinstance(value, dict):
+            return {k: v for k, v in value.items() if k not in ANSWER_ONLY}
+        return value
 
 
 def _blocks(content: object, where: str) -> list[dict[str, Any]]:
