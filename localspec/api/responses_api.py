@@ -22,8 +22,6 @@ from __future__ import annotations
 import json
 import logging
 import secrets
-import threading
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,13 +38,12 @@ from localspec.api.responses_request import (
     chat_body,
     input_messages,
 )
+from localspec.api.responses_store import ResponseStore
 from localspec.api.service import ApiService, Job
 from localspec.errors import LocalSpecError
 
 logger = logging.getLogger(__name__)
 
-RESPONSES_MAX_STORED = 256  # responses kept for previous_response_id and GET
-RESPONSES_MAX_STORED_CHARS = 32 * 2**20  # and their conversations' text, all together
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 Item = dict[str, Any]
@@ -54,60 +51,6 @@ Item = dict[str, Any]
 
 def new_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(16)}"
-
-
-# ---------------------------------------------------------------------------------- the store
-
-
-@dataclass(frozen=True)
-class StoredResponse:
-    response: dict[str, Any]  # the response object, as GET returns it
-    conversation: list[ChatMessage]  # its messages (not its instructions), the answer last
-    size: int  # characters, what the store's bound counts
-
-
-class ResponseStore:
-    """Responses kept in memory for ``previous_response_id`` and ``GET``: at most
-    ``max_responses`` of them and ``max_chars`` of text all together, the least recently used
-    going first. Thread-safe."""
-
-    def __init__(self, max_responses: int = RESPONSES_MAX_STORED,
-                 max_chars: int = RESPONSES_MAX_STORED_CHARS) -> None:
-        self.max_responses = max_responses
-        self.max_chars = max_chars
-        self._kept: OrderedDict[str, StoredResponse] = OrderedDict()
-        self._chars = 0
-        self._lock = threading.Lock()
-
-    def put(self, response: dict[str, Any], conversation: list[ChatMessage]) -> None:
-        size = len(json.dumps(conversation, ensure_ascii=False)) + len(json.dumps(response))
-        with self._lock:
-            self._drop(response["id"])
-            self._kept[response["id"]] = StoredResponse(response, conversation, size)
-            self._chars += size
-            while len(self._kept) > 1 and (len(self._kept) > self.max_responses
-                                           or self._chars > self.max_chars):
-                self._drop(next(iter(self._kept)))
-
-    def get(self, response_id: str) -> StoredResponse | None:
-        with self._lock:
-            kept = self._kept.get(response_id)
-            if kept is not None:
-                self._kept.move_to_end(response_id)
-            return kept
-
-    def delete(self, response_id: str) -> bool:
-        with self._lock:
-            return self._drop(response_id)
-
-    def _drop(self, response_id: str) -> bool:
-        kept = self._kept.pop(response_id, None)
-        if kept is not None:
-            self._chars -= kept.size
-        return kept is not None
-
-    def __len__(self) -> int:
-        return len(self._kept)
 
 
 # ---------------------------------------------------------------------------------- shapes
