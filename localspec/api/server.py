@@ -1,11 +1,14 @@
-"""The OpenAI-compatible routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``.
+"""The HTTP routes: OpenAI's ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models`` and
+``/v1/responses``, and Anthropic's ``/v1/messages`` (the last two adapters over chat's path:
+``responses_api``, ``messages_api``).
 
 ``create_api`` builds an ASGI app over a ``ModelHost``; ``localspec serve`` runs it alone under
 uvicorn and the chat app mounts it at ``/v1`` of its own server, so the page and API clients
 share the loaded models and the one queue. Every failure is OpenAI's error JSON with its
-status: a body that is not JSON, not UTF-8, too large or of the wrong shape is a 400 or 413
-that says what is wrong, never a traceback; a bug is logged and answered 500 in the same shape.
-With an API key, every route needs ``Authorization: Bearer KEY`` (compared in constant time).
+status (Anthropic's on ``/v1/messages``): a body that is not JSON, not UTF-8, too large or of
+the wrong shape is a 400 or 413 that says what is wrong, never a traceback; a bug is logged and
+answered 500 in the same shape. With an API key, every route needs ``Authorization: Bearer
+KEY`` or ``x-api-key: KEY`` (Anthropic's header), compared in constant time.
 """
 
 from __future__ import annotations
@@ -15,16 +18,17 @@ import json
 import logging
 import os
 from collections.abc import AsyncIterator
+from typing import TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.routing import Mount, Route
 
-from localspec.api import responses
+from localspec.api import messages_api, responses, responses_api
 from localspec.api.errors import (
     ApiError,
     BadRequest,
@@ -33,6 +37,8 @@ from localspec.api.errors import (
     TooLarge,
     Unauthorized,
 )
+from localspec.api.messages_request import CountTokensRequest, MessagesRequest
+from localspec.api.responses_request import ResponsesRequest
 from localspec.api.schemas import ChatRequest, CompletionRequest, describe
 from localspec.api.service import ApiService, Generation, Job
 from localspec.chats.store import ChatStore
@@ -47,16 +53,22 @@ API_MAX_BODY_BYTES = 8 * 2**20  # a request body past this is answered 413
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def _error(exc: ApiError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def _error(exc: ApiError, request: Request | None = None) -> JSONResponse:
+    """``exc`` as the route's API says errors: Anthropic's shape on its routes, else OpenAI's."""
+    body = (messages_api.error_body(exc.status, exc.message)
+            if request is not None and messages_api.is_messages_route(request.url.path)
+            else exc.body())
+    return JSONResponse(body, status_code=exc.status, headers=exc.headers())
 
 
 def _sse(data: object) -> bytes:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
 
-async def read_body(request: Request, model: type[ChatRequest] | type[CompletionRequest],
-                    ) -> ChatRequest | CompletionRequest:
+async def read_body(request: Request, model: type[Body]) -> Body:
     """The request's JSON body as ``model``: 413 past the size limit, 400 for anything that
     is not UTF-8 JSON of the right shape (with where it went wrong)."""
     declared = request.headers.get("content-length", "")
@@ -87,36 +99,39 @@ def create_api(host: ModelHost, api_key: str | None = None,
     """The API over ``host`` (routes without the ``/v1`` prefix: mount it there), saving each
     chat request in ``store`` when one is given."""
     service = ApiService(host, max_queued, store)
+    kept = responses_api.ResponseStore()  # the Responses API's, for previous_response_id
 
     def authorize(request: Request) -> None:
         if api_key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
-                                                                 api_key.encode()):
+        given = [token.strip()] if scheme.lower() == "bearer" else []
+        given += [request.headers["x-api-key"]] if "x-api-key" in request.headers else []
+        if not any(hmac.compare_digest(key.encode(), api_key.encode()) for key in given):
             raise Unauthorized("a valid API key is needed: send the header "
-                               "'Authorization: Bearer KEY'")
+                               "'Authorization: Bearer KEY' (or 'x-api-key: KEY')")
 
     api = FastAPI(title="LocalSpec", docs_url=None, redoc_url=None, openapi_url=None,
                   dependencies=[Depends(authorize)])
 
     @api.exception_handler(ApiError)
-    async def api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return _error(exc)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return _error(exc, request)
 
     @api.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         if exc.status_code == 404:
             return _error(NotFound(f"no route {request.method} {request.url.path}",
-                                   code="not_found"))
+                                   code="not_found"), request)
         error = ApiError(str(exc.detail))
         error.status = exc.status_code
-        return _error(error)
+        return _error(error, request)
 
     @api.exception_handler(Exception)
-    async def bug(_: Request, exc: Exception) -> JSONResponse:
-        """A bug: 500 in OpenAI's shape (Starlette logs the traceback)."""
-        return _error(ServerError("internal error (the details are in the server log)"))
+    async def bug(request: Request, exc: Exception) -> JSONResponse:
+        """A bug: 500 in the route's error shape (Starlette logs the traceback)."""
+        return _error(ServerError("internal error (the details are in the server log)"),
+                      request)
 
     @api.get("/models")
     async def models() -> dict[str, object]:
@@ -134,6 +149,29 @@ def create_api(host: ModelHost, api_key: str | None = None,
     async def completions(request: Request) -> Response:
         return await _answer(service, request, await read_body(request, CompletionRequest),
                              "text")
+
+    @api.post("/responses")
+    async def create_response(request: Request) -> Response:
+        return await responses_api.create(service, kept, request,
+                                          await read_body(request, ResponsesRequest))
+
+    @api.get("/responses/{response_id}")
+    async def get_response(response_id: str) -> dict[str, object]:
+        return responses_api.get(kept, response_id)
+
+    @api.delete("/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict[str, object]:
+        return responses_api.delete(kept, response_id)
+
+    @api.post("/messages")
+    async def messages(request: Request) -> Response:
+        return await messages_api.create(service, request,
+                                         await read_body(request, MessagesRequest))
+
+    @api.post("/messages/count_tokens")
+    async def count_tokens(request: Request) -> dict[str, int]:
+        return await messages_api.count_tokens(service,
+                                               await read_body(request, CountTokensRequest))
 
     return api
 
@@ -208,6 +246,7 @@ def root_app(api: FastAPI) -> Starlette:
     async def index(_: Request) -> JSONResponse:
         return JSONResponse({"name": "LocalSpec", "api": "/v1",
                              "routes": ["/v1/chat/completions", "/v1/completions",
-                                        "/v1/models"]})
+                                        "/v1/models", "/v1/responses", "/v1/messages",
+                                        "/v1/messages/count_tokens"]})
 
     return Starlette(routes=[Route("/", index), Mount("/v1", app=api)])
