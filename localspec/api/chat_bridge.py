@@ -148,6 +148,7 @@ class ChatChunks:
     stop_sequence: str | None = None
     _ids: list[int] = field(default_factory=list)
     _text: list[str] = field(default_factory=list)
+    _chat: responses.ChatStream | None = None
 
     @property
     def job(self) -> Job:
@@ -156,6 +157,7 @@ class ChatChunks:
     async def batches(self) -> AsyncIterator[list[dict[str, object]]]:
         job = self.job
         texts = responses.token_texts(job) if job.want_tokens else None
+        self._chat = responses.ChatStream(job)  # text, and tool calls read as they stream
         reason = None
         async for batch in self.generation.batches():
             chunks = []
@@ -165,7 +167,7 @@ class ChatChunks:
             if chunks:
                 yield chunks
         if reason is None:  # ended without a final step (stopped while waiting)
-            yield [responses.chunk(job, "chat", None, "stop")]
+            yield self._chat.end()
         if self.engine_reason == "stop":
             self.stop_sequence = matched_stop(job, self._ids, "".join(self._text))
 
@@ -175,11 +177,7 @@ class ChatChunks:
         self._text.append(event.text_delta)
         self.engine_reason = event.finish_reason or self.engine_reason
         tokens = responses.step_tokens(event, texts) if texts is not None else None
-        reason = responses.finish_reason(event)
-        if not (event.text_delta or tokens or reason is not None):
-            return []
-        return [responses.chunk(self.job, "chat", event.text_delta or None, reason,
-                                tokens=tokens)]
+        return self._chat.step(event, tokens)
 
 
 def start_stream(service: ApiService, job: Job) -> ChatChunks:
