@@ -89,19 +89,30 @@ class Scheduler:
             if not self._acquire():
                 continue
             try:
-                while True:
-                    self._admit(batch, members)
-                    if not batch.members:
-                        break
-                    self.peak = max(self.peak, len(batch.members))
-                    for generation, outcome in self._run(batch.step):
-                        job, _ = members[id(generation)]
-                        self._deliver(job, outcome)
-                        if generation not in batch.members:
-                            members.pop(id(generation))
-                            job.done.set()
+                self._run_batch(batch, members)
+            except Exception as exc:  # a bug outside any one request: every member ends
+                logger.exception("the parallel batch failed")
+                for job, _ in members.values():
+                    self._deliver(job, exc)
+                    job.done.set()
+                members.clear()
+                batch = Batch()
             finally:
                 self._lock.release()
+
+    def _run_batch(self, batch: Batch, members: dict[int, tuple[SlotJob, int]]) -> None:
+        """Admit and step until the batch is empty and nothing waits."""
+        while True:
+            self._admit(batch, members)
+            if not batch.members:
+                return
+            self.peak = max(self.peak, len(batch.members))
+            for generation, outcome in self._run(batch.step):
+                job, _ = members[id(generation)]
+                self._deliver(job, outcome)
+                if generation not in batch.members:
+                    members.pop(id(generation))
+                    job.done.set()
 
     def _acquire(self) -> bool:
         """Take the generation lock, dropping jobs cancelled meanwhile; False if none is left."""

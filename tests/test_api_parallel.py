@@ -4,6 +4,7 @@ requests share target passes; a client that leaves mid-stream does not disturb t
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -13,7 +14,7 @@ from api_helpers import serving
 from openai import OpenAI
 
 from localspec.engine.batch import Outcome
-from localspec.engine.engine import StepEvent
+from localspec.engine.engine import GenerationError, StepEvent
 from localspec.host import ModelHost
 from localspec.slots import Scheduler, SlotJob
 
@@ -103,3 +104,22 @@ def test_a_client_leaving_mid_stream_disturbs_no_other(client: OpenAI, host: Mod
         threading.Event().wait(0.01)
     assert sorted(finishes) == ["cancelled", "length"]
     assert [ask(client, 1) for _ in range(2)] == [alone, alone]
+
+
+def test_a_request_that_cannot_start_fails_alone(host: ModelHost) -> None:
+    """A job the engine refuses (no new tokens allowed) gets its error; the job beside it runs
+    to its end with its answer alone; both leave (``done``)."""
+    pipe = host.pipeline
+    assert pipe is not None and host.scheduler is not None
+    good = pipe.request(pipe.encode_prompt("hello"), max_new_tokens=8, temperature=0.0)
+    bad = dataclasses.replace(good, max_new_tokens=0)
+    alone = [t for e in pipe.stream(good) for t in e.tokens]
+    outcomes: dict[str, list[Outcome]] = {"good": [], "bad": []}
+    jobs = {name: SlotJob(pipe, request, None, lambda: False, outcomes[name].append)
+            for name, request in (("bad", bad), ("good", good))}
+    with host.generation_lock:  # both wait, then start together
+        for job in jobs.values():
+            host.scheduler.submit(job)
+    assert all(job.done.wait(30) for job in jobs.values())
+    assert len(outcomes["bad"]) == 1 and isinstance(outcomes["bad"][0], GenerationError)
+    assert [t for e in outcomes["good"] for t in e.tokens] == alone  # type: ignore[union-attr]
