@@ -127,6 +127,8 @@ MAX_USER_FILE_BYTES = 64 * 2**20
 MAX_CORPUS_BYTES = 4 * MAX_USER_FILE_BYTES
 # Requests the API holds at once, waiting or generating: one more gets a 429, never a hang
 API_MAX_QUEUED = 16
+# Slots whose requests share target passes (`serve --parallel`); each holds its own KV caches
+MAX_PARALLEL = 16
 API_KEY_ENV = "LOCALSPEC_API_KEY"  # read when --api-key is not given
 # Structured output (engine/grammar.py): an answer's format (its ``OutputFormat.key()`` text)
 # longer than this, or a compile slower than this, is refused with a FormatError (HTTP 400)

@@ -4,9 +4,10 @@ A preset switch loads the new models while the old ones stay active; only when t
 ready does the swap happen, so a failure (bad file, missing model, foreign tokenizer, out of
 memory) leaves the previous preset in place with the reason recorded. A target (or draft) whose
 spec is unchanged is reused instead of reloaded; the warm-up and the swap wait for a running
-generation (the new pipeline may share its models). Generation is serialised by one lock, and
-each generation has a cancel flag, grouped by a key (a browser session and tab) that its Stop
-button sets.
+generation (the new pipeline may share its models). Generation is serialised by one lock (with
+``parallel`` > 1 the API's requests run together in slots, ``localspec.slots``, which hold the
+lock while any runs), and each generation has a cancel flag, grouped by a key (a browser
+session and tab) that its Stop button sets.
 
 Every generation runs on the host's one engine thread (``on_engine``), whichever thread asks
 for it (Gradio's workers, the API's): the CPU kernels and torch run on OpenMP, whose worker
@@ -33,6 +34,7 @@ from localspec.models.cache import Progress
 from localspec.models.loading import audit_cache
 from localspec.pipeline import Pipeline
 from localspec.presets import Preset, load_preset
+from localspec.slots import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +71,11 @@ class ModelHost:
     """Holds the active Pipeline; loads presets in a background thread."""
 
     def __init__(self, loader: Loader = assemble_pipeline, warm_up: bool = True,
-                 audit: bool = True) -> None:
+                 audit: bool = True, parallel: int = 1) -> None:
+        """``parallel`` > 1: the API's requests run in that many slots whose target passes
+        are shared (``scheduler``); 1: one generation at a time, as the app's own."""
+        if parallel < 1:
+            raise ValueError(f"parallel must be >= 1, got {parallel}")
         self._loader = loader
         self._warm_up = warm_up
         self._audit = audit  # hash the cached files in full after a load (background)
@@ -86,6 +92,9 @@ class ModelHost:
         self._ready = threading.Condition(self._state_lock)  # a load ended
         self._ended = threading.Condition(self._state_lock)  # a generation ended
         self._engine = ThreadPoolExecutor(max_workers=1, thread_name_prefix="localspec-engine")
+        self.parallel = parallel
+        self.scheduler = (Scheduler(parallel, self.run_on_engine, self.generation_lock,
+                                    self.set_waiting) if parallel > 1 else None)
 
     # ------------------------------------------------------------------ the engine thread
 

@@ -80,6 +80,7 @@ class Pipeline:
     _engines: dict[str, SpeculativeEngine] = field(default_factory=dict)
     _runner: ModelRunner | None = None
     _grammars: GrammarCache | None = None
+    _slots: dict[int, PipelineSlot] = field(default_factory=dict)
 
     @classmethod
     def load(cls, preset: Preset, progress: Progress | None = None, load_draft: bool = True,
@@ -188,9 +189,9 @@ class Pipeline:
                               f"preset '{self.preset.name}' was loaded without one")
         return self.draft
 
-    def _build_drafter(self, name: str) -> Drafter:
-        """Registered drafter ``name``, made by its registered build with this pipeline as
-        its ``BuildContext``."""
+    def _build_drafter(self, name: str, ctx: BuildContext | None = None) -> Drafter:
+        """Registered drafter ``name``, made by its registered build with ``ctx`` (default:
+        this pipeline) as its ``BuildContext``."""
         spec = drafter_spec(name)
         if spec.build is None:
             raise ValueError(f"method '{name}' is not a drafter")
@@ -200,7 +201,17 @@ class Pipeline:
         module, _, function = spec.build.partition(":")
         build: Callable[[BuildContext], Drafter] = getattr(importlib.import_module(module),
                                                            function)
-        return build(self)
+        return build(self if ctx is None else ctx)
+
+    def slot(self, index: int) -> PipelineSlot:
+        """Parallel slot ``index`` (``localspec serve --parallel``): its own target runner and
+        drafters (their KV caches) over this pipeline's models, whose weights all slots share.
+        Slot 0 is the pipeline's own runner and engines (the app's and a lone request's)."""
+        if index < 0:
+            raise ValueError(f"a slot's index is >= 0, got {index}")
+        if index not in self._slots:
+            self._slots[index] = PipelineSlot(self, index)
+        return self._slots[index]
 
     def engine(self, method: str | DrafterSet | None = None) -> SpeculativeEngine:
         """The engine for ``method`` (default: the preset's; a name is resolved here, once),
@@ -273,3 +284,49 @@ class Pipeline:
         text = "".join(e.text_delta for e in events)
         finish = events[-1].finish_reason if events else None
         return GenerationResult(text, token_ids, events, stats, finish)
+
+
+class PipelineSlot:
+    """One parallel slot of a pipeline (``Pipeline.slot``): the ``BuildContext`` its drafters
+    are made with, so that each slot's target runner, draft runner and heads keep caches of
+    their own while the models' weights are the pipeline's. Slot 0 is the pipeline itself."""
+
+    def __init__(self, pipeline: Pipeline, index: int) -> None:
+        self.pipeline, self.index = pipeline, index
+        self._runner: ModelRunner | None = None
+        self._engines: dict[str, SpeculativeEngine] = {}
+
+    @property
+    def preset(self) -> Preset:
+        return self.pipeline.preset
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return self.pipeline.tokenizer
+
+    def target_runner(self) -> ModelRunner:
+        if self.index == 0:
+            return self.pipeline.target_runner()
+        if self._runner is None:
+            self._runner = self.pipeline.target.runner(
+                logits_fp32=self.preset.localspec.logits_fp32)
+        return self._runner
+
+    def draft_vocab_size(self) -> int:
+        return self.pipeline.draft_vocab_size()
+
+    def draft_runner(self, vocab_rows: torch.Tensor | None = None) -> ModelRunner:
+        return self.pipeline.draft_runner(vocab_rows)
+
+    def engine(self, method: str | DrafterSet | None = None) -> SpeculativeEngine:
+        """This slot's engine for ``method`` (as ``Pipeline.engine``), made when first asked."""
+        if self.index == 0:
+            return self.pipeline.engine(method)
+        drafters = (method if isinstance(method, DrafterSet)
+                    else self.preset.drafter_set(method))
+        if drafters.method not in self._engines:
+            built = tuple(self.pipeline._build_drafter(name, self) for name in drafters.members)
+            self._engines[drafters.method] = SpeculativeEngine(
+                self.target_runner(), built, self.pipeline._decode,
+                self.pipeline.eos_token_ids())
+        return self._engines[drafters.method]

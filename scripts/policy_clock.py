@@ -112,9 +112,10 @@ class VirtualClock:
 
 
 def _order_free(self: choice.DrafterChoice, order: Callable[..., Any], sure: list[bool],
-                catch_up: list[float] | None = None) -> list[choice.Attempt]:
+                catch_up: list[float] | None = None, load: Any = adaptive.ALONE
+                ) -> list[choice.Attempt]:
     """``DrafterChoice.order`` as if every catch-up were free."""
-    return order(self, sure)
+    return order(self, sure, None, load)
 
 
 def apply(variant: str, defaults: dict[str, Any]) -> float | None:

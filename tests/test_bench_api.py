@@ -153,3 +153,27 @@ def test_bench_api_user_errors_from_a_run_thread_are_exit_2(
     path.write_text(json.dumps({"prompt": "hello world " * 200}) + "\n", encoding="utf-8")
     assert_user_error(run_cli(capsys, "bench", "--preset", presets["ngram"], "--prompts",
                               str(path), "--api"), "long.jsonl line 1", "context holds 256")
+
+
+def test_bench_parallel_compares_clients_at_once_with_one_at_a_time(
+        capsys: pytest.CaptureFixture[str], presets: dict[str, str], prompts_file: str) -> None:
+    """``bench --parallel 3``: per method (default: none and the preset's), the first 3 prompts
+    (the set repeated) one at a time and at once through the API, every answer identical, a
+    pass that served all three; the table names both phases. A bad count is exit 2."""
+    code, out, err = run_cli(capsys, "bench", "--preset", presets["draft"], "--prompts",
+                             prompts_file, "--max-new-tokens", "6", "--parallel", "3", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert list(report["methods"]) == ["none", "draft_model"] and report["parallel"] == 3
+    for row in report["methods"].values():
+        assert row["identical"] is True and len(row["alone"]) == len(row["together"]) == 3
+        assert row["alone_tokens_per_second"] > 0 and row["speedup"] > 0
+        assert all(r["new_tokens"] == 6 for r in row["together"])
+    assert report["peak_batch"] == 3
+    code, out, err = run_cli(capsys, "bench", "--preset", presets["draft"], "--prompts",
+                             prompts_file, "--max-new-tokens", "6", "--parallel", "2",
+                             "--methods", "ngram")
+    assert code == 0, err
+    assert "2 clients at once" in out and "ngram" in out and "identical" in out
+    code, _, err = run_cli(capsys, "bench", "--parallel", "17")
+    assert code == 2 and "--parallel: must be between 1 and 16" in err

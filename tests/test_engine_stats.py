@@ -16,6 +16,7 @@ from transformers import PreTrainedModel
 import localspec.engine.choice as choice_module
 from localspec.drafters.ngram import NgramDrafter
 from localspec.drafters.simulated import SimulatedDrafter
+from localspec.engine.adaptive import ALONE, Load
 from localspec.engine.choice import Attempt
 from localspec.engine.engine import SpeculativeEngine, StepEvent
 from localspec.engine.stats import GenerationStats
@@ -30,10 +31,10 @@ def test_lookups_evidence_reaches_adaptive_k(target_runner: ModelRunner,
     seen: list[list[int]] = []
 
     class Recording(choice_module.DrafterChoice):
-        def order(self, sure: list[int], catch_up: list[float] | None = None
-                  ) -> list[Attempt]:
+        def order(self, sure: list[int], catch_up: list[float] | None = None,
+                  load: Load = ALONE) -> list[Attempt]:
             seen.append(list(sure))
-            return super().order(sure, catch_up)
+            return super().order(sure, catch_up, load)
 
     monkeypatch.setattr(choice_module, "DrafterChoice", Recording)
     lookup = SpeculativeEngine(target_runner, (NgramDrafter(3, 1),), decode, set())

@@ -30,6 +30,7 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"engine"}),  # the draft/verify loop, its policy and the drafter contract
     frozenset({"models", "drafters"}),  # loading and caches; each drafter
     frozenset({"pipeline"}),  # a preset's models and engines
+    frozenset({"slots"}),  # parallel requests over a pipeline, sharing its target passes
     frozenset({"training", "host"}),  # heads trained over a pipeline; the one served
     frozenset({"api"}),  # the OpenAI-compatible routes over the host
     frozenset({"ui", "cli"}),  # the edges a user touches (the app and `serve` mount the API)

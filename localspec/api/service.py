@@ -2,7 +2,9 @@
 to the one queue, and running it on a worker thread while the server's event loop streams.
 
 Answers come one at a time, the app's and the API's alike: a generation holds the host's
-generation lock. At most ``max_queued`` API requests are held at once (waiting or generating);
+generation lock; with ``localspec serve --parallel N`` the API's requests run together in N
+slots instead (``localspec.slots``: each answer the one it gets alone), whose batch holds the
+lock while it runs. At most ``max_queued`` API requests are held at once (waiting or generating);
 one more is refused with 429 at once rather than left to hang. A generation stops within one
 speculation step of its client going away: a stream's consumer sets the cancel flag when the
 server closes it, a non-streaming request polls for the disconnect, and a consumer that is
@@ -31,12 +33,14 @@ from localspec.chats.answers import SavedRequest, answer_settings, answer_summar
 from localspec.chats.store import ChatStore
 from localspec.config import API_MAX_QUEUED, Preset
 from localspec.drafter_set import DrafterSet
+from localspec.engine.batch import Outcome
 from localspec.engine.engine import GenerationRequest, StepEvent
 from localspec.engine.stats import GenerationStats
 from localspec.errors import LocalSpecError, PresetError
 from localspec.host import ModelHost
 from localspec.pipeline import Pipeline
 from localspec.presets import list_preset_names
+from localspec.slots import Scheduler, SlotJob
 
 logger = logging.getLogger(__name__)
 
@@ -192,19 +196,32 @@ class ApiService:
     def _generate(self, link: _Link, cancel: threading.Event) -> None:
         """The generation itself, on the host's engine thread (the lock is held): each event
         counted, saved when asked, and handed to the consumer straight from there."""
-        job, start = link.job, time.perf_counter()
-        saved, finish = self._saved(job), None
-        stream = job.pipeline.stream(job.request, job.drafters,
-                                     cancelled=lambda: cancel.is_set() or link.gone())
+        deliver = _Delivery(link, self._saved(link.job))
+        stream = link.job.pipeline.stream(link.job.request, link.job.drafters,
+                                          cancelled=lambda: cancel.is_set() or link.gone())
         for event in stream:
-            job.stats.add(event)
-            job.stats.wall_time = time.perf_counter() - start
-            if saved is not None:
-                saved.add(event.text_delta, len(event.tokens))
-                finish = event.finish_reason or finish
-            link.put(event)
-        if saved is not None:
-            saved.finish(finish, answer_summary(job.method, job.stats))
+            deliver(event)
+        deliver.close()
+
+    def _in_slot(self, link: _Link, cancel: threading.Event, scheduler: Scheduler) -> None:
+        """The generation in one of the host's parallel slots (``localspec.slots``): its
+        events come from the scheduler's thread as the batch steps; this worker waits."""
+        deliver = _Delivery(link, self._saved(link.job))
+        failed: list[Exception] = []
+
+        def sink(outcome: Outcome) -> None:
+            if isinstance(outcome, Exception):
+                failed.append(outcome)
+            else:
+                deliver(outcome)
+
+        job = SlotJob(link.job.pipeline, link.job.request, link.job.drafters,
+                      lambda: cancel.is_set() or link.gone(), sink)
+        scheduler.submit(job)
+        job.done.wait()
+        if failed:
+            raise failed[0]
+        deliver.close()
 
     def _leave(self) -> None:
         with self._lock:
@@ -216,6 +233,10 @@ class ApiService:
         cancel = self.host.begin(session)
         waiting = False
         try:
+            if self.host.scheduler is not None:
+                self._in_slot(link, cancel, self.host.scheduler)
+                link.put(_END)
+                return
             got = self.host.acquire(cancel, 0.0)
             if not got:
                 waiting = True
@@ -251,6 +272,30 @@ class ApiService:
 
 
 _END = object()
+
+
+class _Delivery:
+    """A job's events on their way out: counted in its stats, saved when asked, handed to
+    the consumer; ``close`` ends the saved answer."""
+
+    def __init__(self, link: _Link, saved: SavedRequest | None) -> None:
+        self.link, self.saved = link, saved
+        self.start = time.perf_counter()
+        self.finish: str | None = None
+
+    def __call__(self, event: StepEvent) -> None:
+        job = self.link.job
+        job.stats.add(event)
+        job.stats.wall_time = time.perf_counter() - self.start
+        if self.saved is not None:
+            self.saved.add(event.text_delta, len(event.tokens))
+            self.finish = event.finish_reason or self.finish
+        self.link.put(event)
+
+    def close(self) -> None:
+        if self.saved is not None:
+            self.saved.finish(self.finish, answer_summary(self.link.job.method,
+                                                          self.link.job.stats))
 
 
 def _put_all(queue: asyncio.Queue, items: list[object]) -> None:

@@ -47,7 +47,7 @@ from localspec.cli.options import (
     add_tune,
     count,
 )
-from localspec.config import DEFAULT_PRESET, cache_root
+from localspec.config import DEFAULT_PRESET, MAX_PARALLEL, cache_root
 from localspec.errors import ConfigError, LocalSpecError
 from localspec.pipeline import request_settings_for
 from localspec.presets import load_preset
@@ -97,6 +97,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         print(run_bandwidth(log=_log_line))
         return 0
     preset = load_preset(args.preset)
+    if args.parallel:
+        from localspec.cli.bench_parallel import run_parallel_command
+
+        return run_parallel_command(args, preset, load_pipeline, _log_line)
     simulated = [f"{SIMULATED}{a.strip()}" for a in (args.simulate_acceptance or "").split(",")
                  if a.strip()]
     if args.methods is None and not simulated:
@@ -262,6 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "here, streamed over loopback HTTP, one client) right after its "
                             "direct run: tok/s, ratio to the direct run, identical output; our "
                             "methods only (default: those the preset can run)")
+    bench.add_argument("--parallel", type=count(MAX_PARALLEL), default=None, metavar="N",
+                       help="instead: N clients at once against the same N requests one at a "
+                            "time, through the API (default methods: none and the preset's)")
     bench.set_defaults(func=_cmd_bench)
 
     verify = sub.add_parser("verify", help="check that speculation changes nothing, here")

@@ -13,6 +13,7 @@ from localspec.config import (
     DATA_ENV,
     DEFAULT_PRESET,
     MAX_NEW_TOKENS,
+    MAX_PARALLEL,
     MAX_SPECULATIVE_TOKENS,
 )
 from localspec.registry import trainable_methods
@@ -154,6 +155,9 @@ def add_serve(sub: argparse._SubParsersAction, handler: Handler) -> None:
     serve.add_argument("--max-queued", type=count(1024), default=API_MAX_QUEUED,
                        help="requests held at once, waiting or generating; one more is "
                             f"answered 429 (default {API_MAX_QUEUED})")
+    serve.add_argument("--parallel", type=count(MAX_PARALLEL), default=1,
+                       help="requests generated at once, their tokens verified in shared "
+                            "target passes; each answer is the one it gets alone (default 1)")
     serve.add_argument("--save-chats", action="store_true",
                        help="save each chat request and its answer with the app's "
                             f"conversations (${DATA_ENV}/{CHATS_FILE}; off by default)")

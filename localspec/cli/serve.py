@@ -47,7 +47,7 @@ def run_serve(args: argparse.Namespace) -> int:
     key = api_key(args.api_key)
     store = ChatStore() if args.save_chats else None
     sock = bind(args.host, args.port)
-    model_host = ModelHost()
+    model_host = ModelHost(parallel=args.parallel)
     app = root_app(create_api(model_host, key, args.max_queued, store))
     model_host.load_async(args.preset)
     threading.Thread(target=_report_load, args=(model_host, args.preset), daemon=True).start()

@@ -62,6 +62,24 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
+@dataclass(frozen=True)
+class Load:
+    """What the other requests of a batched target pass bring to it (``localspec serve
+    --parallel``): the tokens they are expected to keep, the seconds they spend drafting
+    before it, and their rows. A request's k is then the one that maximises the whole pass's
+    tokens per second, (tokens + E[tokens](k)) / (seconds + k c_draft + c_verify(rows + k +
+    1)): the same model as alone (a zero load is exactly it), and the rows of one pass are
+    shared out by it, each request drafting only while its drafts add more than they cost
+    everyone in the pass."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    rows: int = 0
+
+
+ALONE = Load()  # a request whose pass is its own
+
+
 @dataclass
 class VerifyLine:
     """c_verify(n) = a + b * n: a target pass over n tokens, by least squares with forgetting,
@@ -206,8 +224,9 @@ class AdaptiveK:
         self.rest()
         return 0
 
-    def plan(self) -> tuple[int, float]:
-        """(k, expected tokens per second) of the best draft, without changing any state;
+    def plan(self, load: Load = ALONE) -> tuple[int, float]:
+        """(k, expected tokens per second) of the best draft, without changing any state
+        (``load``: the rest of a batched pass, whose tokens and costs count in the rate);
         k = 0 when no draft beats plain decoding by DRAFT_MARGIN; k_max instead of any other k
         for a drafter that ``stops_itself``. Before this drafter's cost or a verify pass is
         measured: a moderate first draft (the first tokens of a reply are the least
@@ -217,10 +236,11 @@ class AdaptiveK:
         c_draft, c_verify_1 = self.draft_cost(), self.verify_cost(1)
         if c_draft is None or c_verify_1 is None:
             return self.k_max if self.stops_itself else min(self.k_max, FIRST_K), float("inf")
-        best_k, best_rate = 0, (1.0 + DRAFT_MARGIN) / c_verify_1
+        plain = self.verify_cost(load.rows + 1) or c_verify_1
+        best_k, best_rate = 0, (1.0 + DRAFT_MARGIN) * (load.tokens + 1.0) / (load.seconds + plain)
         for k in range(1, self.k_max + 1):
-            cost = k * c_draft + (self.verify_cost(k + 1) or c_verify_1)
-            rate = self.expected_tokens(k) / cost
+            cost = load.seconds + k * c_draft + (self.verify_cost(load.rows + k + 1) or c_verify_1)
+            rate = (load.tokens + self.expected_tokens(k)) / cost
             if rate > best_rate * 1.0001:
                 best_k, best_rate = k, rate
         return (self.k_max if self.stops_itself and best_k else best_k), best_rate
@@ -250,7 +270,7 @@ class AdaptiveK:
             self._probe_interval = min(2 * self._probe_interval, MAX_PROBE_INTERVAL)
         self._plain_steps = 0
 
-    def probe_k(self) -> int:
+    def probe_k(self, load: Load = ALONE) -> int:
         """As many drafts as add at most half a plain step's cost, drafting and the wider verify
         pass together, and at most FIRST_K: one token of a draft model that costs a sizeable
         part of the target; for lookup, which costs next to nothing, what the verify pass
@@ -259,9 +279,10 @@ class AdaptiveK:
         steps, and early in a reply, before passes of many widths are timed, the verify line
         looks flat and a budget alone allowed 10 head drafts on a chat reply."""
         c_draft, c_plain = self.draft_cost() or 0.0, self.verify_cost(1) or 0.0
+        base = self.verify_cost(load.rows + 1) or c_plain  # the pass without this probe's rows
         best = 1
         for k in range(2, min(self.k_max, FIRST_K) + 1):
-            extra = k * c_draft + (self.verify_cost(k + 1) or c_plain) - c_plain
+            extra = k * c_draft + (self.verify_cost(load.rows + k + 1) or c_plain) - base
             if extra <= PROBE_BUDGET * c_plain:
                 best = k
         return best

@@ -54,7 +54,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from localspec.engine.adaptive import LEARNT_PRIOR_WEIGHT, AdaptiveK, VerifyLine
+from localspec.engine.adaptive import (
+    ALONE,
+    LEARNT_PRIOR_WEIGHT,
+    AdaptiveK,
+    Load,
+    VerifyLine,
+)
 from localspec.engine.drafter import Drafter, Proposal
 from localspec.sampling import SamplingParams
 
@@ -111,10 +117,12 @@ class DrafterChoice:
         self._resting: list[int] = []
         self._lost = 0.0  # verify seconds of steps that kept no draft: what a new one could save
 
-    def order(self, sure: list[int], catch_up: list[float] | None = None) -> list[Attempt]:
+    def order(self, sure: list[int], catch_up: list[float] | None = None,
+              load: Load = ALONE) -> list[Attempt]:
         """The drafters to ask this step, in turn, until one proposes tokens; [] for a plain
         step. ``sure[i]``: drafter i's evidence for its next guess (``Outlook.sure``);
-        ``catch_up[i]``: the seconds it would take to catch up on the context first."""
+        ``catch_up[i]``: the seconds it would take to catch up on the context first;
+        ``load``: the other requests of a batched pass (``adaptive.Load``)."""
         self._resting = []
         self._sure = [int(s) for s in sure]
         if self.k_max == 0:
@@ -122,7 +130,7 @@ class DrafterChoice:
         elif not self.enabled:
             attempts = [Attempt(i, self.k_max, sure=s) for i, s in enumerate(self._sure)]
         else:
-            attempts = self._rank(self._sure, catch_up or [0.0] * len(sure))
+            attempts = self._rank(self._sure, catch_up or [0.0] * len(sure), load)
         self._asked = []
         return attempts
 
@@ -133,11 +141,11 @@ class DrafterChoice:
             self._sure_estimators[key] = self._estimator(drafter, grade)
         return self._sure_estimators[key]
 
-    def _rank(self, sure: list[int], catch_up: list[float]) -> list[Attempt]:
+    def _rank(self, sure: list[int], catch_up: list[float], load: Load) -> list[Attempt]:
         paying: list[tuple[float, int, int, int]] = []  # -rate, -grade, drafter, k
         for i, estimator in enumerate(self.estimators):
-            k, rate = estimator.plan()
-            if sure[i] and (sure_plan := self.sure_estimator(i, sure[i]).plan())[0] > 0:
+            k, rate = estimator.plan(load)
+            if sure[i] and (sure_plan := self.sure_estimator(i, sure[i]).plan(load))[0] > 0:
                 k, rate = sure_plan
             if k > 0:
                 paying.append((-rate, -sure[i], i, k))
@@ -151,8 +159,9 @@ class DrafterChoice:
             self.estimators[i].paid()
         ranked = [Attempt(i, k, sure=sure[i]) for _, _, i, k in sorted(paying)]
         due = [i for i in self._resting if self.estimators[i].probe_due(sure[i])]
-        first = [Attempt(i, self.estimators[i].probe_k(), True, sure[i]) for i in due if sure[i]]
-        last = [Attempt(i, self.estimators[i].probe_k(), True) for i in due if not sure[i]]
+        first = [Attempt(i, self.estimators[i].probe_k(load), True, sure[i]) for i in due
+                 if sure[i]]
+        last = [Attempt(i, self.estimators[i].probe_k(load), True) for i in due if not sure[i]]
         return first + ranked + last
 
     def asked(self, attempt: Attempt) -> None:
@@ -162,10 +171,11 @@ class DrafterChoice:
         self._asked.append(attempt)
 
     def record(self, drafter: int | None, drafted: int, accepted: int,
-               draft_times: dict[int, float], verify_time: float) -> None:
+               draft_times: dict[int, float], verify_time: float, rows: int = 0) -> None:
         """Learn one step: ``drafter`` (None: a plain step) drafted ``drafted`` tokens and the
         target kept ``accepted``; ``draft_times`` are the seconds each asked drafter took
-        (catching up on the context left out); the pass took ``verify_time``."""
+        (catching up on the context left out); the pass took ``verify_time`` over ``rows``
+        rows (0: this request's own ``drafted`` + 1; more in a batched pass)."""
         asked = {attempt.index for attempt in self._asked}
         for i in asked:
             mine = i == drafter
@@ -178,7 +188,7 @@ class DrafterChoice:
             if i not in asked:
                 self.estimators[i].rest()
         self._resting = []
-        self.verify.update(drafted + 1, verify_time)
+        self.verify.update(rows or drafted + 1, verify_time)
         if accepted == 0:
             self._lost += verify_time
 
@@ -258,16 +268,18 @@ class DraftPolicy:
         self.shadows = Shadows() if greedy and len(self.drafters) > 1 else None
 
     def draft(self, context: list[int], room: int, params: SamplingParams,
-              generator: torch.Generator, width: int = 1, prefill_cost: float = 0.0) -> Draft:
+              generator: torch.Generator, width: int = 1, prefill_cost: float = 0.0,
+              load: Load = ALONE) -> Draft:
         """Ask the drafters ``choice`` ranks, in turn, for at most ``room`` tokens (a tree of
         ``width`` first guesses where ``width`` > 1) until one proposes any; then ask the free
         drafters not asked what they would have drafted. A drafter behind the context has its
-        backlog priced at its own last catch-up or else at ``prefill_cost``, the target's."""
+        backlog priced at its own last catch-up or else at ``prefill_cost``, the target's.
+        ``load``: the other requests of a batched pass, which k is chosen with."""
         outlooks = [drafter.outlook(context) for drafter in self.drafters]
         catch_up = [o.backlog * (o.catch_up_cost or prefill_cost) for o in outlooks]
         times: dict[int, float] = {}
         result = Draft(0, Proposal([]), None, times)
-        for attempt in self.choice.order([o.sure for o in outlooks], catch_up):
+        for attempt in self.choice.order([o.sure for o in outlooks], catch_up, load):
             self.choice.asked(attempt)
             k = min(attempt.k, room)
             start = time.perf_counter()
@@ -294,11 +306,11 @@ class DraftPolicy:
                             self.choice.sure_now(i))
 
     def record(self, draft: Draft, accepted: int, verify_time: float,
-               context: list[int]) -> None:
+               context: list[int], rows: int = 0) -> None:
         """Learn one step: the target kept ``accepted`` of ``draft``'s chain in a pass of
         ``verify_time`` seconds, and ``context`` is the output so far (shadows settle on it)."""
         self.choice.record(draft.drafter, draft.proposal.chain_length, accepted, draft.times,
-                           verify_time)
+                           verify_time, rows)
         if self.shadows is not None:
             self.shadows.resolve(context, self.choice)
 

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 import torch
 
 from localspec.config import MAX_SPECULATIVE_TOKENS
-from localspec.engine.choice import DraftPolicy
+from localspec.engine.adaptive import ALONE, Load
+from localspec.engine.choice import Draft, DraftPolicy
 from localspec.engine.constraint import Constraint, Shaped
 from localspec.engine.drafter import Drafter, Proposal
 from localspec.engine.grammar import CompiledGrammar
@@ -189,126 +190,25 @@ class SpeculativeEngine:
         """Validate now (errors raise here), then yield one StepEvent per target pass."""
         return self._generate(request, self.check(request), cancelled)
 
+    def start(self, request: GenerationRequest,
+              cancelled: Callable[[], bool] = lambda: False) -> Generation:
+        """Validate ``request`` (errors raise here), prefill, and return its ``Generation``,
+        whose steps a caller drives: the single-request loop below, or a scheduler that runs
+        several generations' target passes as one (``localspec.engine.batch``)."""
+        return Generation(self, request, self.check(request), cancelled)
+
     def _generate(
         self, request: GenerationRequest, max_new: int, cancelled: Callable[[], bool]
     ) -> Iterator[StepEvent]:
-        params = request.sampling
-        # Every draw on the target's device: a CPU generator cannot drive CUDA multinomials.
-        generator = torch.Generator(device=self.target.device).manual_seed(request.seed)
-        stream = _TextStream(self.decode, request.stop_strings)
-        context = list(request.prompt_ids)
-        policy, cached, prefill_cost = self._start(request, context)
-        width = request.tree_width if params.greedy and self.target.supports_trees else 1
-        constraint = None if request.grammar is None else Constraint(request.grammar)
-        generated = step = 0
-        while True:
-            step += 1
-            if cancelled():
-                yield self._final_event(step, stream, "cancelled")
+        generation = Generation(self, request, max_new, cancelled)
+        while not generation.done:
+            plan = generation.plan()
+            if isinstance(plan, StepEvent):  # cancelled before the step
+                yield plan
                 return
-            t0 = time.perf_counter()
-            draft = policy.draft(context, max_new - generated, params, generator, width,
-                                 prefill_cost)
-            # the grammar cuts and extends the drafts (step 1 of 3 of a constraint)
-            shaped = None if constraint is None else constraint.shape(draft.proposal,
-                                                                      max_new - generated)
-            proposal = draft.proposal if shaped is None else shaped.proposal
-            t1 = time.perf_counter()
-            verdict, path, p_rows = self._verify(context, proposal, params, generator,
-                                                 constraint, shaped)
-            t2 = time.perf_counter()
-            drafts = proposal.tokens
-            new_tokens = [*(drafts[r - 1] for r in path[1:]), verdict.token]
-            kept, finish = self._cut(new_tokens, generated, max_new)
-            if constraint is not None and shaped is not None:
-                constraint.advance(shaped, kept)  # step 3 of 3: the matcher follows the output
-            context.extend(kept)
-            policy.record(draft, verdict.num_accepted if shaped is None
-                          else min(verdict.num_accepted, shaped.own), t2 - t1, context)
-            generated += len(kept)
-            delta, stopped = stream.push(kept, final=finish is not None)
-            # the kept path's drafts first: drafted[:accepted] are the accepted tokens
-            order = [*path[1:], *(r for r in range(1, len(drafts) + 1) if r not in path)]
-            yield StepEvent(
-                step=step,
-                k=draft.k,
-                drafted=tuple(drafts[r - 1] for r in order),
-                accepted=verdict.num_accepted,
-                target_token=verdict.token if len(kept) == len(new_tokens) else None,
-                target_token_kind="bonus" if verdict.is_bonus else "recovered",
-                tokens=tuple(kept),
-                p_target=tuple(float(p_rows[i, t]) for i, t in enumerate(kept)),
-                q_draft=tuple(proposal.confidences[r - 1] for r in order
-                              if r <= len(proposal.confidences)),
-                text_delta=delta,
-                draft_time=t1 - t0,
-                verify_time=t2 - t1,
-                finish_reason="stop" if stopped else finish,
-                drafter="grammar" if shaped is not None and shaped.grammar_only
-                else policy.name(draft),
-                cached=cached if step == 1 else 0,
-                forced=0 if shaped is None else shaped.forced,
-            )
-            if stopped or finish is not None:
-                return
-
-    def _start(self, request: GenerationRequest,
-               context: list[int]) -> tuple[DraftPolicy, int, float]:
-        """Reset the drafters and the target for ``context`` (the prompt) and prefill the
-        target up to its last token; return the step policy, the prompt tokens whose cache the
-        last request left (``reuse_prefix``) and the seconds a token of the prefill took (a
-        catch-up's upper bound)."""
-        # Hidden states are kept only for a drafter that reads them: a head drafter asks
-        # again in its reset, and the engines of one preset share the target runner.
-        self.target.record_features(None)
-        for drafter in self.drafters:
-            drafter.reset(keep_cache=request.reuse_prefix)
-        cached = self.target.keep_prefix(context[:-1]) if request.reuse_prefix else 0
-        if not request.reuse_prefix:
-            self.target.reset()
-        prefill_cost = 0.0
-        if len(context) - 1 > cached:
             start = time.perf_counter()
-            self.target.forward(context[cached:-1], logits_to_keep=1)
-            prefill_cost = (time.perf_counter() - start) / (len(context) - 1 - cached)
-        policy = DraftPolicy(self.drafters, context, request.num_speculative_tokens,
-                             request.adaptive, request.sampling.greedy)
-        return policy, cached, prefill_cost
-
-    def _verify(
-        self,
-        context: list[int],
-        proposal: Proposal,
-        params: SamplingParams,
-        generator: torch.Generator,
-        constraint: Constraint | None = None,
-        shaped: Shaped | None = None,
-    ) -> tuple[Verdict, list[int], torch.Tensor]:
-        """One target pass over ``[pending, *drafts]``; return the verdict, the kept path (feed
-        rows: 0 and the accepted drafts') and target probabilities of the kept rows. The
-        target's cache keeps the path; the target's own token is pending. With a
-        ``constraint``, p is the target masked by the grammar (``shaped``: its rows)."""
-        drafts = proposal.tokens
-        if proposal.parents is not None:  # a tree: every node sees its root path only
-            logits = self.target.forward([context[-1], *drafts], parents=[-1, *proposal.parents])
-            verdict, path = verify_tree(logits, drafts, proposal.parents)
-            self.target.keep_path(path)
-            return verdict, path, torch.softmax(logits[path], dim=-1)
-        logits = self.target.forward([context[-1], *drafts])  # [len(drafts) + 1, vocab]
-        if constraint is not None and shaped is not None:
-            logits = constraint.mask(logits, shaped)  # step 2 of 3: p is the masked target
-        if params.greedy:
-            # probabilities of the rows whose tokens are kept only: a softmax over 151,936
-            # logits costs ~1 ms a row, and a rejected draft's row is never shown
-            verdict = verify_greedy(logits, drafts)
-            p_rows = torch.softmax(logits[: verdict.num_accepted + 1], dim=-1)
-        else:
-            p_rows = logits_to_probs(logits, params)  # [k + 1, vocab]
-            q_draft = proposal.q_draft[: len(drafts)] if proposal.q_draft is not None else None
-            verdict = verify_sampling(p_rows, q_draft, drafts, generator,
-                                      None if shaped is None else shaped.refused)
-        self.target.crop(len(context) + verdict.num_accepted)
-        return verdict, list(range(verdict.num_accepted + 1)), p_rows
+            logits = self.target.forward(plan.feed, parents=plan.parents)
+            yield generation.finish(plan, logits, time.perf_counter() - start)
 
     def _cut(
         self, new_tokens: list[int], generated: int, max_new: int
@@ -321,8 +221,171 @@ class SpeculativeEngine:
                 return new_tokens[: i + 1], "length"
         return new_tokens, None
 
-    @staticmethod
-    def _final_event(step: int, stream: _TextStream, reason: str) -> StepEvent:
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step's drafts and what the target must be fed for them: ``[pending, *drafts]``,
+    a tree where ``parents`` says so (``ModelRunner.forward``'s arguments)."""
+
+    draft: Draft
+    proposal: Proposal  # the draft's proposal as the grammar shaped it (else the draft's own)
+    feed: list[int]
+    parents: list[int] | None
+    draft_time: float
+    shaped: Shaped | None = None  # the grammar's rows for this step (a constraint's)
+
+
+class Generation:
+    """One request's generation as steps a caller drives: ``plan`` (draft: what the target is
+    fed), the target's pass (the caller's: alone, or batched with other requests'), then
+    ``finish`` (verify the pass's logits, keep, the step's event). Alone or in a batch, a
+    step's tokens are the same: they depend only on this request's logits, drafts and
+    generator, and the target's rows are the same bits either way.
+
+    The three places where a constraint on the answer would act are apart: the proposal after
+    drafting (``_shape``), the logits before verifying (``_verdict``), and the kept tokens
+    (``_advance``)."""
+
+    def __init__(self, engine: SpeculativeEngine, request: GenerationRequest, max_new: int,
+                 cancelled: Callable[[], bool]) -> None:
+        """Reset the drafters and the target for the prompt and prefill the target up to its
+        last token."""
+        self.engine, self.target = engine, engine.target
+        self.request, self.max_new, self.cancelled = request, max_new, cancelled
+        self.params = request.sampling
+        # Every draw on the target's device: a CPU generator cannot drive CUDA multinomials.
+        self.generator = torch.Generator(device=self.target.device).manual_seed(request.seed)
+        self.stream = _TextStream(engine.decode, request.stop_strings)
+        self.context = list(request.prompt_ids)
+        self.policy, self.cached, self.prefill_cost = self._start()
+        self.width = (request.tree_width if self.params.greedy and self.target.supports_trees
+                      else 1)
+        self.constraint = None if request.grammar is None else Constraint(request.grammar)
+        self.generated = self.step = 0
+        self.done = False
+
+    def _start(self) -> tuple[DraftPolicy, int, float]:
+        """The step policy, the prompt tokens whose cache the last request left
+        (``reuse_prefix``) and the seconds a token of the prefill took (a catch-up's upper
+        bound)."""
+        request, context = self.request, self.context
+        # Hidden states are kept only for a drafter that reads them: a head drafter asks
+        # again in its reset, and the engines of one preset share the target runner.
+        self.target.record_features(None)
+        for drafter in self.engine.drafters:
+            drafter.reset(keep_cache=request.reuse_prefix)
+        cached = self.target.keep_prefix(context[:-1]) if request.reuse_prefix else 0
+        if not request.reuse_prefix:
+            self.target.reset()
+        prefill_cost = 0.0
+        if len(context) - 1 > cached:
+            start = time.perf_counter()
+            self.target.forward(context[cached:-1], logits_to_keep=1)
+            prefill_cost = (time.perf_counter() - start) / (len(context) - 1 - cached)
+        policy = DraftPolicy(self.engine.drafters, context, request.num_speculative_tokens,
+                             request.adaptive, request.sampling.greedy)
+        return policy, cached, prefill_cost
+
+    def plan(self, load: Load = ALONE) -> StepPlan | StepEvent:
+        """Draft the next step (``load``: the rest of a batched pass, see ``adaptive.Load``);
+        the final "cancelled" event instead when the request was cancelled."""
+        self.step += 1
+        if self.cancelled():
+            self.done = True
+            return self._final_event("cancelled")
+        t0 = time.perf_counter()
+        draft = self.policy.draft(self.context, self.max_new - self.generated, self.params,
+                                  self.generator, self.width, self.prefill_cost, load)
+        shaped = self._shape(draft)
+        proposal = draft.proposal if shaped is None else shaped.proposal
+        parents = None if proposal.parents is None else [-1, *proposal.parents]
+        return StepPlan(draft, proposal, [self.context[-1], *proposal.tokens], parents,
+                        time.perf_counter() - t0, shaped)
+
+    def _shape(self, draft: Draft) -> Shaped | None:
+        """Step 1 of 3 of a constraint: the grammar cuts the drafts at the first token it
+        refuses (never fed) and adds the tokens it forces (free drafts); None: no grammar."""
+        if self.constraint is None:
+            return None
+        return self.constraint.shape(draft.proposal, self.max_new - self.generated)
+
+    def finish(self, plan: StepPlan, logits: torch.Tensor, pass_time: float,
+               rows: int = 0) -> StepEvent:
+        """Verify the target's ``logits`` of ``plan.feed`` (a pass of ``pass_time`` seconds
+        over ``rows`` rows, this request's and others'; 0: its own), keep, and return the
+        step's event."""
+        start = time.perf_counter()
+        draft, drafts, shaped = plan.draft, plan.proposal.tokens, plan.shaped
+        verdict, path, p_rows = self._verdict(plan, logits)
+        verify_time = pass_time + time.perf_counter() - start
+        new_tokens = [*(drafts[r - 1] for r in path[1:]), verdict.token]
+        kept, finish = self.engine._cut(new_tokens, self.generated, self.max_new)
+        self.context.extend(kept)
+        self.policy.record(draft, verdict.num_accepted if shaped is None
+                           else min(verdict.num_accepted, shaped.own), verify_time,
+                           self.context, rows)
+        self.generated += len(kept)
+        delta, stopped = self._advance(plan, kept, finish)
+        # the kept path's drafts first: drafted[:accepted] are the accepted tokens
+        order = [*path[1:], *(r for r in range(1, len(drafts) + 1) if r not in path)]
+        self.done = stopped or finish is not None
+        return StepEvent(
+            step=self.step,
+            k=draft.k,
+            drafted=tuple(drafts[r - 1] for r in order),
+            accepted=verdict.num_accepted,
+            target_token=verdict.token if len(kept) == len(new_tokens) else None,
+            target_token_kind="bonus" if verdict.is_bonus else "recovered",
+            tokens=tuple(kept),
+            p_target=tuple(float(p_rows[i, t]) for i, t in enumerate(kept)),
+            q_draft=tuple(plan.proposal.confidences[r - 1] for r in order
+                          if r <= len(plan.proposal.confidences)),
+            text_delta=delta,
+            draft_time=plan.draft_time,
+            verify_time=verify_time,
+            finish_reason="stop" if stopped else finish,
+            drafter="grammar" if shaped is not None and shaped.grammar_only
+            else self.policy.name(draft),
+            cached=self.cached if self.step == 1 else 0,
+            forced=0 if shaped is None else shaped.forced,
+        )
+
+    def _verdict(self, plan: StepPlan, logits: torch.Tensor
+                 ) -> tuple[Verdict, list[int], torch.Tensor]:
+        """The verdict on the pass's ``logits`` [len(feed), vocab], the kept path (feed rows:
+        0 and the accepted drafts') and the target's probabilities of the kept rows. The
+        target's cache keeps the path; the target's own token is pending."""
+        proposal, drafts, shaped = plan.proposal, plan.proposal.tokens, plan.shaped
+        if proposal.parents is not None:  # a tree: every node sees its root path only
+            verdict, path = verify_tree(logits, drafts, proposal.parents)
+            self.target.keep_path(path)
+            return verdict, path, torch.softmax(logits[path], dim=-1)
+        if self.constraint is not None and shaped is not None:
+            logits = self.constraint.mask(logits, shaped)  # step 2 of 3: p is the masked target
+        if self.params.greedy:
+            # probabilities of the rows whose tokens are kept only: a softmax over 151,936
+            # logits costs ~1 ms a row, and a rejected draft's row is never shown
+            verdict = verify_greedy(logits, drafts)
+            p_rows = torch.softmax(logits[: verdict.num_accepted + 1], dim=-1)
+        else:
+            p_rows = logits_to_probs(logits, self.params)  # [k + 1, vocab]
+            q_draft = proposal.q_draft[: len(drafts)] if proposal.q_draft is not None else None
+            verdict = verify_sampling(p_rows, q_draft, drafts, self.generator,
+                                      None if shaped is None else shaped.refused)
+        self.target.crop(len(self.context) + verdict.num_accepted)
+        return verdict, list(range(verdict.num_accepted + 1)), p_rows
+
+    def _advance(self, plan: StepPlan, kept: list[int], finish: str | None
+                 ) -> tuple[str, bool]:
+        """Take the kept tokens into the grammar's state (step 3 of 3 of a constraint) and the
+        answer's text: the text to stream now, and whether a stop string was reached."""
+        if self.constraint is not None and plan.shaped is not None:
+            self.constraint.advance(plan.shaped, kept)
+        return self.stream.push(kept, final=finish is not None)
+
+    def _final_event(self, reason: str) -> StepEvent:
         """An event without a forward pass: flushes held-back text and says why we stopped."""
-        delta, _ = stream.push([], final=True)
-        return StepEvent(step, 0, (), 0, None, "bonus", (), (), (), delta, 0.0, 0.0, reason)
+        delta, _ = self.stream.push([], final=True)
+        return StepEvent(self.step, 0, (), 0, None, "bonus", (), (), (), delta, 0.0, 0.0,
+                         reason)

@@ -12,12 +12,27 @@ new tokens may form a tree. This class does not track lengths, tokens or feature
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
-from localspec.runtime.decoder import CpuDecoder, KVCache
+from localspec.runtime.decoder import BatchFeed, CpuDecoder, KVCache
 from localspec.runtime.features import FeatureStore
+
+
+@dataclass(frozen=True)
+class CpuFeed:
+    """One runner's feed in ``CpuForward.forward_batch``: ``forward``'s arguments."""
+
+    backend: CpuForward
+    token_ids: list[int]
+    start: int
+    logits_to_keep: int | None
+    layers: tuple[int, ...] | None
+    features: FeatureStore
+    tree: torch.Tensor | None
+    spread: bool
 
 
 class CpuForward:
@@ -62,6 +77,38 @@ class CpuForward:
             features.write(start, rows)
         last = hidden[keep]
         return self.decoder.head.logits(last, self.rows if spread else None, self._head), last
+
+    @staticmethod
+    def forward_batch(feeds: Sequence[CpuFeed]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``forward`` of several runners of one decoder at once (``CpuDecoder.forward_batch``:
+        one native call, each row the bits it gets alone); the LM head over the kept rows of
+        every feed that shares a head at once (a row's logits do not depend on the others)."""
+        decoder = feeds[0].backend.decoder
+        if any(f.backend.decoder is not decoder for f in feeds):
+            raise ValueError("a batched forward runs runners of one decoder")
+        outputs = decoder.forward_batch([
+            BatchFeed(torch.tensor(f.token_ids, dtype=torch.long), f.backend.kv_cache, f.start,
+                      f.layers or (), f.tree) for f in feeds])
+        lasts = []
+        for f, (hidden, rows) in zip(feeds, outputs, strict=True):
+            if f.layers is not None:
+                f.features.write(f.start, rows)
+            lasts.append(hidden[-f.logits_to_keep:] if f.logits_to_keep else hidden)
+        groups: dict[tuple[int, bool], list[int]] = {}  # one head call per (cut, spread)
+        for i, f in enumerate(feeds):  # a cut is packed once per set of rows: one object
+            key = (id(f.backend._head), f.spread)
+            groups.setdefault(key, []).append(i)
+        logits: list[torch.Tensor | None] = [None] * len(feeds)
+        for members in groups.values():
+            first = feeds[members[0]].backend
+            rows = first.rows if feeds[members[0]].spread else None
+            joined = decoder.head.logits(torch.cat([lasts[i] for i in members]), rows,
+                                         first._head)
+            at = 0
+            for i in members:
+                logits[i] = joined[at:at + lasts[i].shape[0]]
+                at += lasts[i].shape[0]
+        return [(out, last) for out, last in zip(logits, lasts, strict=True)]  # type: ignore[misc]
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.decoder.head.logits(hidden.float(), self.rows, self._head)

@@ -27,7 +27,7 @@ transformers model, which is then emptied of its layer weights so that memory ho
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -37,7 +37,7 @@ from transformers import PreTrainedModel
 
 from localspec.config import CPU_QUANTIZATIONS, NATIVE_ARCHITECTURES
 from localspec.runtime.kernels.row_attention import RowAttention
-from localspec.runtime.native import NativeStack
+from localspec.runtime.native import NativeStack, StackRows
 from localspec.runtime.quant import W8A8Linear
 from localspec.runtime.weight_formats import (
     ROW_ATTENTION_MAX,
@@ -81,6 +81,19 @@ class _Layer:
     down_rotated: bool  # the down projection's input is turned first (its weight was)
     q_norm: torch.Tensor | None = None  # [head_dim] float32: Qwen3's per-head norms, applied
     k_norm: torch.Tensor | None = None  # to every query and key head before RoPE
+
+
+@dataclass(frozen=True)
+class BatchFeed:
+    """One sequence's feed in ``CpuDecoder.forward_batch``: token ids [n], its cache, the
+    position of its first token, the layers whose input it records (as ``forward_features``)
+    and its tree (``parents``; None: a chain)."""
+
+    ids: torch.Tensor
+    cache: KVCache
+    start: int
+    layers: tuple[int, ...] = ()
+    parents: torch.Tensor | None = None
 
 
 class KVCache:
@@ -228,17 +241,7 @@ class CpuDecoder:
         end = start + n
         cache.reserve(end)
         x = F.embedding(ids, self.embed).float()
-        positions = torch.arange(start, end).unsqueeze(0)
-        if parents is not None:
-            if not self.supports_trees or n > ROW_ATTENTION_MAX:
-                raise ValueError(f"a tree of {n} rows needs the native row attention and at "
-                                 f"most {ROW_ATTENTION_MAX} rows")
-            depth = [0] * n
-            for j in range(1, n):
-                depth[j] = depth[int(parents[j])] + 1
-            positions = (start + torch.tensor(depth)).unsqueeze(0)
-        cos, sin = self.rotary(x, positions)
-        cos, sin = cos[0].float(), sin[0].float()  # [n, head_dim]
+        cos, sin = self._rope_rows(x, start, parents)
         entering: dict[int, torch.Tensor] = {}
         if self.native is not None and n <= ROW_ATTENTION_MAX:
             inner = [i for i in layers if i < len(self.layers)]
@@ -255,6 +258,60 @@ class CpuDecoder:
             return hidden, None
         entering[len(self.layers)] = hidden
         return hidden, torch.cat([entering[i] for i in layers], dim=-1)
+
+    def _rope_rows(self, x: torch.Tensor, start: int, parents: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [n, head_dim] float32 of rows x fed at ``start`` (a tree's rows at
+        start + their depth)."""
+        n = x.shape[0]
+        positions = torch.arange(start, start + n).unsqueeze(0)
+        if parents is not None:
+            if not self.supports_trees or n > ROW_ATTENTION_MAX:
+                raise ValueError(f"a tree of {n} rows needs the native row attention and at "
+                                 f"most {ROW_ATTENTION_MAX} rows")
+            depth = [0] * n
+            for j in range(1, n):
+                depth[j] = depth[int(parents[j])] + 1
+            positions = (start + torch.tensor(depth)).unsqueeze(0)
+        cos, sin = self.rotary(x, positions)
+        return cos[0].float(), sin[0].float()
+
+    @torch.inference_mode()
+    def forward_batch(self, feeds: Sequence[BatchFeed]
+                      ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """``forward_features`` of several sequences (each ``BatchFeed`` its own cache) in one
+        native call where the stack runs and every feed has at most ROW_ATTENTION_MAX rows:
+        the projections over all rows at once, each row's result the bits its feed alone
+        gives. Elsewhere the feeds run one after another (the same results, no saving)."""
+        if self.native is None or any(f.ids.shape[0] > ROW_ATTENTION_MAX for f in feeds):
+            return [self.forward_features(f.ids, f.cache, f.start, f.layers, f.parents)
+                    for f in feeds]
+        depth = len(self.layers)
+        x = F.embedding(torch.cat([f.ids for f in feeds]), self.embed).float()
+        rows: list[StackRows] = []
+        at = 0
+        for f in feeds:
+            n = f.ids.shape[0]
+            f.cache.reserve(f.start + n)
+            cos, sin = self._rope_rows(x[at:at + n], f.start, f.parents)
+            rows.append(StackRows(n, cos, sin, f.cache.keys, f.cache.values, f.start,
+                                  tuple(i for i in f.layers if i < depth), f.parents))
+            at += n
+        features = self.native.batch(x, rows)
+        results: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        at = 0
+        for f, r, inner in zip(feeds, rows, features, strict=True):
+            mine = self._rms(x[at:at + r.n], self.norm)  # each feed's own call, as alone
+            at += r.n
+            if not f.layers:
+                results.append((mine, None))
+                continue
+            width = x.shape[1]
+            entering = {i: inner[:, slot * width:(slot + 1) * width]  # type: ignore[index]
+                        for slot, i in enumerate(r.feature_layers)}
+            entering[depth] = mine
+            results.append((mine, torch.cat([entering[i] for i in f.layers], dim=-1)))
+        return results
 
     def _in_pieces(self, ids: torch.Tensor, cache: KVCache, start: int, layers: tuple[int, ...]
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -1,5 +1,6 @@
-"""The whole decoder stack in one native call (``decoder_forward`` in
-``kernels/decoder_stack.c``).
+"""The whole decoder stack in one native call (``decoder_forward_batch`` in
+``kernels/decoder_stack.c``), over one sequence's rows or several sequences' at once (each
+with its own cache: the parallel requests of ``localspec serve --parallel``).
 
 Why: with the weights in the Q4_K / Q6_K kernels, what is left of a step in Python is the glue
 between them: about 35 tensor calls a layer (norms, RoPE, cache writes, attention, SwiGLU,
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,6 +48,22 @@ def _fused(linear: Linear, width: int) -> KFused | None:
     return fused
 
 
+@dataclass(frozen=True)
+class StackRows:
+    """One sequence's rows in a ``NativeStack`` call: how many, their cos and sin [n,
+    head_dim] (at each row's position), its cache's keys and values, the position of its
+    first row, the layers whose input it records, and its tree (``parents``; None: a chain)."""
+
+    n: int
+    cos: torch.Tensor
+    sin: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    start: int
+    feature_layers: tuple[int, ...] = ()
+    parents: torch.Tensor | None = None
+
+
 class NativeStack:
     """``CpuDecoder``'s layers as ``decoder_forward`` takes them (``KModel``, checked against
     the library by ``abi.mismatch`` when it was loaded); the tensors stay owned by the
@@ -53,7 +71,7 @@ class NativeStack:
 
     def __init__(self, lib: ctypes.CDLL, layers: ctypes.Array, norms: list[torch.Tensor],
                  shape: tuple[int, int, int, int, int], eps: float, scale: float) -> None:
-        self._run = lib.decoder_forward
+        self._run_batch = lib.decoder_forward_batch
         self._layers, self._norms = layers, norms
         self.hidden, self.heads, self.kv_heads, self.head_dim, self.intermediate = shape
         self.eps, self.scale = eps, scale
@@ -99,28 +117,53 @@ class NativeStack:
         ``feature_layers`` (each < the number of layers) as [n, len * hidden], or None.
         ``parents`` [n] int64: the rows form a tree (see ``attend_tree``), cos and sin are at
         each row's own position."""
-        n = x.shape[0]
-        if not (x.dtype == torch.float32 and x.is_contiguous() and keys.is_contiguous()
-                and values.is_contiguous()) or start + n > keys.shape[2]:
-            raise ValueError("decoder_forward needs contiguous float32 rows and room in the "
-                             "cache")
-        cos, sin = cos.float().contiguous(), sin.float().contiguous()
-        count = len(feature_layers)
-        features = torch.empty(n, count * self.hidden) if count else None
-        wanted = (ctypes.c_int64 * max(count, 1))(*feature_layers)
-        if parents is not None:
-            parents = parents.to(torch.int64).contiguous()
-            if parents.shape != (n,):
-                raise ValueError(f"parents must hold one row index per row ({n})")
-        step = KStep(x.data_ptr(), n, start, cos.data_ptr(), sin.data_ptr(), keys.data_ptr(),
-                     values.data_ptr(), keys.shape[2],
-                     None if features is None else features.data_ptr(),
-                     ctypes.addressof(wanted), count,
-                     None if parents is None else parents.data_ptr())
-        status = self._run(ctypes.byref(self._model), ctypes.byref(step),
-                           torch.get_num_threads())
+        return self.batch(x, [StackRows(x.shape[0], cos, sin, keys, values, start,
+                                        tuple(feature_layers), parents)])[0]
+
+    def batch(self, x: torch.Tensor, rows: Sequence[StackRows]) -> list[torch.Tensor | None]:
+        """Every layer over several sequences' rows at once: x [sum of n, hidden] float32 holds
+        ``rows[0]``'s rows, then ``rows[1]``'s, ... (in place, as ``__call__``); each
+        ``StackRows`` names its sequence's cache, positions, tree and features. The projections
+        run over all rows together, attention over each sequence's own cache, and every row
+        comes out bit for bit as its sequence fed alone. Returns each sequence's features."""
+        total = sum(r.n for r in rows)
+        if not (x.dtype == torch.float32 and x.is_contiguous() and x.shape[0] == total
+                and rows):
+            raise ValueError("decoder_forward needs contiguous float32 rows, one slice a "
+                             "sequence")
+        steps = (KStep * len(rows))()
+        alive: list[object] = []  # what the steps point into, alive until the call returns
+        outputs: list[torch.Tensor | None] = []
+        at = 0
+        for step, r in zip(steps, rows, strict=True):
+            keys, values = r.keys, r.values
+            if not (keys.is_contiguous() and values.is_contiguous()) or \
+                    r.start + r.n > keys.shape[2]:
+                raise ValueError("decoder_forward needs contiguous caches with room")
+            cos, sin = r.cos.float().contiguous(), r.sin.float().contiguous()
+            count = len(r.feature_layers)
+            features = torch.empty(r.n, count * self.hidden) if count else None
+            wanted = (ctypes.c_int64 * max(count, 1))(*r.feature_layers)
+            parents = r.parents
+            if parents is not None:
+                parents = parents.to(torch.int64).contiguous()
+                if parents.shape != (r.n,):
+                    raise ValueError(f"parents must hold one row index per row ({r.n})")
+            alive += [cos, sin, wanted, parents]
+            step.x = x.data_ptr() + at * self.hidden * x.element_size()
+            step.n, step.start = r.n, r.start
+            step.cos, step.sin = cos.data_ptr(), sin.data_ptr()
+            step.keys, step.values, step.capacity = (keys.data_ptr(), values.data_ptr(),
+                                                     keys.shape[2])
+            step.features = None if features is None else features.data_ptr()
+            step.feature_layers, step.count = ctypes.addressof(wanted), count
+            step.parents = None if parents is None else parents.data_ptr()
+            outputs.append(features)
+            at += r.n
+        status = self._run_batch(ctypes.byref(self._model), steps, len(rows),
+                                 torch.get_num_threads())
         if status == -1:
             raise MemoryError("the native decoder stack could not allocate its scratch memory")
         if status:
             raise ValueError(f"the native decoder stack refused its shapes ({status})")
-        return features
+        return outputs

@@ -21,14 +21,15 @@ engine already ran.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from itertools import pairwise
 from typing import Protocol
 
 import torch
 from transformers import DynamicCache, PreTrainedModel, StaticCache
 
-from localspec.runtime.cpu_forward import CpuForward
+from localspec.runtime.cpu_forward import CpuFeed, CpuForward
 from localspec.runtime.decoder import CpuDecoder, KVCache
 from localspec.runtime.features import FeatureStore
 from localspec.runtime.hf_forward import HfForward
@@ -66,6 +67,42 @@ class Backend(Protocol):
     def crop(self, dropped: int) -> None: ...
     def reset(self, length: int) -> None: ...
     def compile_graphs(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Feed:
+    """One runner's part of ``forward_batch``: ``ModelRunner.forward``'s arguments."""
+
+    runner: ModelRunner
+    token_ids: list[int]
+    logits_to_keep: int | None = None
+    parents: list[int] | None = None
+    spread: bool = True
+
+
+@torch.inference_mode()
+def forward_batch(feeds: Sequence[Feed]) -> list[torch.Tensor]:
+    """Each feed's ``forward`` (distinct runners, each its own cache), in one pass of the
+    model where they ``batches_with`` each other: the weights are read once for every row,
+    and each runner's logits, cache and features are the bits its own ``forward`` gives (the
+    native stack is row-exact). Runners that do not batch run one after another."""
+    runners = [f.runner for f in feeds]
+    if len({id(r) for r in runners}) < len(runners):
+        raise ValueError("a batched forward feeds each runner once")
+    if len(feeds) < 2 or not all(runners[0].batches_with(r) for r in runners):
+        return [f.runner.forward(f.token_ids, f.logits_to_keep, f.parents, f.spread)
+                for f in feeds]
+    cpu = []
+    for f in feeds:
+        r = f.runner
+        tree = r._take(f.token_ids, f.parents)
+        cpu.append(CpuFeed(r._backend, f.token_ids, r.length, f.logits_to_keep,  # type: ignore[arg-type]
+                           r.feature_layers, r._features, tree, f.spread))
+    outputs = CpuForward.forward_batch(cpu)
+    for f, (_, last) in zip(feeds, outputs, strict=True):
+        f.runner.last_hidden = last
+        f.runner.length += len(f.token_ids)
+    return [logits for logits, _ in outputs]
 
 
 class ModelRunner:
@@ -206,21 +243,32 @@ class ModelRunner:
         those its path fed as a chain gives. Its keys and values go to cache row length + j
         until ``keep_path`` keeps one path.
         """
-        self._held[self.length:] = token_ids
-        tree, self._tree = None, None
-        if parents is not None:
-            if not self.supports_trees:
-                raise ValueError("this runner feeds chains only (supports_trees is False)")
-            if len(parents) != len(token_ids) or not parents or parents[0] != -1 or any(
-                    not 0 <= parent < j for j, parent in enumerate(parents) if j):
-                raise ValueError(f"parents must be -1, then earlier indices; got {parents}")
-            tree = torch.tensor(parents, dtype=torch.long)
-            self._tree = (self.length, list(parents))
+        tree = self._take(token_ids, parents)
         logits, self.last_hidden = self._backend.forward(
             token_ids, self.length, logits_to_keep, self.feature_layers, self._features, tree,
             spread)
         self.length += len(token_ids)
         return logits
+
+    def _take(self, token_ids: list[int], parents: list[int] | None) -> torch.Tensor | None:
+        """Check a feed and hold its tokens; its tree's parents as a tensor (None: a chain)."""
+        self._held[self.length:] = token_ids
+        self._tree = None
+        if parents is None:
+            return None
+        if not self.supports_trees:
+            raise ValueError("this runner feeds chains only (supports_trees is False)")
+        if len(parents) != len(token_ids) or not parents or parents[0] != -1 or any(
+                not 0 <= parent < j for j, parent in enumerate(parents) if j):
+            raise ValueError(f"parents must be -1, then earlier indices; got {parents}")
+        self._tree = (self.length, list(parents))
+        return torch.tensor(parents, dtype=torch.long)
+
+    def batches_with(self, other: ModelRunner) -> bool:
+        """Whether ``forward_batch`` runs this runner and ``other`` in one native call: both
+        serve the same CPU decoder's weights through the native stack (each its own cache)."""
+        return (isinstance(self._backend, CpuForward) and isinstance(other._backend, CpuForward)
+                and self._backend.decoder is other._backend.decoder and self.row_exact)
 
     @torch.inference_mode()
     def compile_graphs(self) -> None:

@@ -17,7 +17,13 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from localspec.config import API_KEY_ENV, DEFAULT_PRESET
+    from localspec.config import API_KEY_ENV, DEFAULT_PRESET, MAX_PARALLEL
+
+    def parallel(text: str) -> int:
+        if not text.isdigit() or not 1 <= int(text) <= MAX_PARALLEL:
+            raise argparse.ArgumentTypeError(f"must be between 1 and {MAX_PARALLEL}, got "
+                                             f"{text!r}")
+        return int(text)
 
     parser = argparse.ArgumentParser(description="LocalSpec: chat with speculative decoding")
     parser.add_argument("--preset", default=DEFAULT_PRESET,
@@ -31,6 +37,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on the API's routes under "
                              f"/v1 (default: ${API_KEY_ENV} if set, else no key)")
+    parser.add_argument("--parallel", type=parallel, default=1,
+                        help="API requests (under /v1) generated at once, sharing target "
+                             "passes; the page's own answers stay one at a time (default 1)")
     return parser.parse_args(argv)
 
 
@@ -46,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     from localspec.models.hardware import detect_hardware
     from localspec.ui.app import APP_CSS, build_app
 
-    host = ModelHost()
+    host = ModelHost(parallel=args.parallel)
     host.load_async(args.preset)
     store, problem = None, ""
     try:

@@ -31,7 +31,7 @@ from localspec.runtime.kernels.q32_formats import (
     Q8_0_PACKED,
 )
 
-ABI_VERSION = 5  # kernels.h's KERNELS_ABI_VERSION
+ABI_VERSION = 6  # kernels.h's KERNELS_ABI_VERSION
 # KPart kinds (kernels.h): ggml's type numbers for the legacy types, the bits for k-quants;
 # Q3_M (LocalSpec's own, no GGUF type) a number outside ggml's range
 KIND_Q4_0, KIND_Q4_K, KIND_Q5_K, KIND_Q6_K, KIND_Q8_0, KIND_Q3_M = 2, 4, 5, 6, 8, 103
@@ -102,6 +102,9 @@ FUNCTIONS: dict[str, tuple[type, list[type]]] = {
     "attend_tree": (_int, [_pointer, _pointer, _pointer, *[_size] * 3, _pointer, *[_size] * 3,
                            _float, _pointer, _int]),
     "decoder_forward": (_int, [ctypes.POINTER(KModel), ctypes.POINTER(KStep), _int]),
+    # model, an array of steps, their count, threads
+    "decoder_forward_batch": (_int, [ctypes.POINTER(KModel), ctypes.POINTER(KStep), _size,
+                                     _int]),
     "kernels_rows_per_pass": (_size, []),
 }
 _STRUCTS = (KPart, KFused, KLayer, KModel, KStep)

@@ -127,43 +127,68 @@ static void rope_and_cache(const KModel *M, const KLayer *L, const KStep *S, con
     }
 }
 
-/* step->x [n, hidden]: the embeddings in, the last layer's output (before the final norm)
- * out. Every layer's keys and values at positions start.. are written to the cache;
- * step->features receives the hidden states entering each of step->feature_layers. Rows
- * that form a tree (step->parents) attend along their root paths; their positions are in
- * cos and sin (the caller's: start + depth). */
-int decoder_forward(const KModel *model, const KStep *step, int threads) {
+/* One sequence's part of a layer's attention: its rows' queries (qkv rows r0..r0+n of the
+ * batch) RoPE'd, its keys and values written to its own cache, attention over its own cache
+ * (a chain or its tree) into attn's rows r0... */
+static int attend_step(const KModel *M, const KStep *S, int64_t layer, int64_t r0,
+                       const float *qkv, float *qrows, float *attn, int threads) {
+    const int64_t d = M->head_dim, q_size = M->heads * d, kv_size = M->kv_heads * d;
+    uint16_t *kc = S->keys + layer * M->kv_heads * S->capacity * d;
+    uint16_t *vc = S->values + layer * M->kv_heads * S->capacity * d;
+    rope_and_cache(M, &M->layers[layer], S, qkv + r0 * (q_size + 2 * kv_size), kc, vc, qrows);
+    float *out = attn + r0 * q_size;
+    return S->parents
+        ? attend_tree(qrows, kc, vc, S->capacity, S->start, S->n, S->parents, M->heads,
+                      M->kv_heads, d, M->scale, out, threads)
+        : attend_rows(qrows, kc, vc, S->capacity, S->start, S->n, M->heads, M->kv_heads, d,
+                      M->scale, out, threads);
+}
+
+/* steps[s]: one sequence's rows (its own cache, start, cos and sin, tree, features); their x
+ * are consecutive slices of one buffer (steps[s + 1].x == steps[s].x + n_s * hidden), which
+ * holds the embeddings in and the last layer's output (before the final norm) out. The
+ * projections, norms and SwiGLU run over all rows at once; RoPE, the cache writes and
+ * attention per sequence, each over its own cache. Every operation is row by row, so each
+ * row's result is the bits its sequence's step alone gives it (tests check it). Each
+ * sequence's keys and values at its positions start.. are written to its cache; its features
+ * receive the hidden states entering its feature_layers. Rows that form a tree (parents)
+ * attend along their root paths; their positions are in cos and sin (start + depth). */
+int decoder_forward_batch(const KModel *model, const KStep *steps, int64_t count,
+                          int threads) {
     const KModel *M = model;
-    const KStep *S = step;
-    const int64_t n = S->n, hidden = M->hidden, d = M->head_dim, inter = M->intermediate;
+    const int64_t hidden = M->hidden, d = M->head_dim, inter = M->intermediate;
     const int64_t q_size = M->heads * d, kv_size = M->kv_heads * d;
-    if (d % 32 || d > MAX_HEAD_DIM || hidden % 16 || inter % 16 || M->kv_heads <= 0)
+    if (d % 32 || d > MAX_HEAD_DIM || hidden % 16 || inter % 16 || M->kv_heads <= 0
+        || count < 1)
         return -2;  /* attend_rows' limits and the norms' vectors, checked before any write */
+    int64_t n = 0, widest = 0;
+    for (int64_t s = 0; s < count; s++) {
+        if (steps[s].x != steps[0].x + n * hidden || steps[s].n < 0) return -2;
+        n += steps[s].n;
+        widest = steps[s].n > widest ? steps[s].n : widest;
+    }
     float *h = malloc(sizeof(float) * (size_t)(n * hidden));  /* a norm's or a projection's */
     float *qkv = malloc(sizeof(float) * (size_t)(n * (q_size + 2 * kv_size)));
-    float *qrows = malloc(sizeof(float) * (size_t)(n * q_size));
+    float *qrows = malloc(sizeof(float) * (size_t)(widest * q_size));  /* one sequence's */
     float *attn = malloc(sizeof(float) * (size_t)(n * q_size));
     float *gu = malloc(sizeof(float) * (size_t)(n * 2 * inter));
     float *a = malloc(sizeof(float) * (size_t)(n * inter));
-    float *x = S->x;
+    float *x = steps[0].x;
     int status = h && qkv && qrows && attn && gu && a ? 0 : -1;
     for (int64_t i = 0; status == 0 && i < M->n_layers; i++) {
         const KLayer *L = &M->layers[i];
-        for (int64_t f = 0; f < S->count; f++)
-            if (S->feature_layers[f] == i)
-                for (int64_t r = 0; r < n; r++)
-                    memcpy(S->features + (r * S->count + f) * hidden, x + r * hidden,
-                           sizeof(float) * (size_t)hidden);
+        for (int64_t s = 0; s < count; s++) {
+            const KStep *S = &steps[s];
+            for (int64_t f = 0; f < S->count; f++)
+                if (S->feature_layers[f] == i)
+                    for (int64_t r = 0; r < S->n; r++)
+                        memcpy(S->features + (r * S->count + f) * hidden, S->x + r * hidden,
+                               sizeof(float) * (size_t)hidden);
+        }
         rms_norm(x, L->norm1, n, hidden, M->eps, h);
         if ((status = fused_linear(&L->qkv, h, n, hidden, qkv, threads))) break;
-        uint16_t *kc = S->keys + i * M->kv_heads * S->capacity * d;
-        uint16_t *vc = S->values + i * M->kv_heads * S->capacity * d;
-        rope_and_cache(M, L, S, qkv, kc, vc, qrows);
-        status = S->parents
-            ? attend_tree(qrows, kc, vc, S->capacity, S->start, n, S->parents, M->heads,
-                          M->kv_heads, d, M->scale, attn, threads)
-            : attend_rows(qrows, kc, vc, S->capacity, S->start, n, M->heads, M->kv_heads, d,
-                          M->scale, attn, threads);
+        for (int64_t s = 0, r0 = 0; status == 0 && s < count; r0 += steps[s].n, s++)
+            status = attend_step(M, &steps[s], i, r0, qkv, qrows, attn, threads);
         if (status) break;
         if ((status = fused_linear(&L->o, attn, n, q_size, h, threads))) break;
         for (int64_t e = 0; e < n * hidden; e++) x[e] += h[e];
@@ -180,4 +205,9 @@ int decoder_forward(const KModel *model, const KStep *step, int threads) {
     free(gu);
     free(a);
     return status;
+}
+
+/* One sequence's rows: decoder_forward_batch of one step. */
+int decoder_forward(const KModel *model, const KStep *step, int threads) {
+    return decoder_forward_batch(model, step, 1, threads);
 }

@@ -6,7 +6,8 @@
  *                    per-instruction-set inner loops are
  *                    kquant_<variant>.h, and what those share kquant_common.h
  *   attention.c      attention of new query rows over a bf16 KV cache (attend_rows, attend_tree)
- *   decoder_stack.c  the whole decoder stack of a Llama-family model in one call
+ *   decoder_stack.c  the whole decoder stack of a Llama-family model in one call, over one
+ *                    sequence's rows or several sequences' at once
  *   abi.c            what the loader checks before any use: ABI version, struct layouts
  *   vec16.h          the 16-lane float vector those are written in, one implementation per
  *                    variant
@@ -32,7 +33,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define KERNELS_ABI_VERSION 5
+#define KERNELS_ABI_VERSION 6
 
 #if defined(KERNELS_AVX512) + defined(KERNELS_AVX2) > 1
 #error "build one variant: KERNELS_AVX512, KERNELS_AVX2 or neither (portable)"
@@ -235,6 +236,10 @@ KERNELS_API int attend_tree(const float *q, const uint16_t *keys, const uint16_t
                             int threads);
 /* Every layer of ``model`` over the rows of ``step`` (see decoder_stack.c). */
 KERNELS_API int decoder_forward(const KModel *model, const KStep *step, int threads);
+/* The same over several sequences' steps at once (their x consecutive slices of one buffer):
+ * the projections over all rows together, RoPE, cache writes and attention per sequence. */
+KERNELS_API int decoder_forward_batch(const KModel *model, const KStep *steps, int64_t count,
+                                      int threads);
 
 /* What the loader checks (abi.c): the ABI version, the variant's name, and the layout text
  * "Name=size:field@offset,...;..." of the structs above and the block sizes (written into
