@@ -7,6 +7,7 @@ message holds."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -195,6 +196,24 @@ def test_agent_rows_offer_tools_and_render_tool_calls(
                              "--methods", "ngram", "--max-new-tokens", "4")
     assert code == 0, err
     assert "agent" in out and "NO" not in out
+
+
+def test_agent_transcript_is_one_growing_session() -> None:
+    """The shipped agent transcript: one session, each row's history the last row's plus one
+    assistant turn and its tool results; the write_file call re-emits the whole file."""
+    rows = load_prompts(str(REPO / "localspec" / "data" / "agent_transcript.jsonl"))
+    assert [r["category"] for r in rows] == ["agent 1: read_file", "agent 2: write_file",
+                                             "agent 3: run_tests", "agent 4: answer"]
+    for before, after in itertools.pairwise(rows):
+        assert after["messages"][:len(before["messages"])] == before["messages"]
+        assert [m["role"] for m in after["messages"][len(before["messages"]):]] == [
+            "assistant", "tool"]
+        assert after["tools"] == before["tools"]
+    read, write = (rows[i]["messages"][-2]["tool_calls"][0]["function"] for i in (1, 2))
+    assert read["name"] == "read_file" and write["name"] == "write_file"
+    original = rows[1]["messages"][-1]["content"]
+    assert write["arguments"]["content"].count("\n") == original.count("\n") + 2 >= 50
+    assert rows[3]["messages"][-1]["content"].endswith("7 passed")
 
 
 def test_bad_presets_are_exit_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
