@@ -7,19 +7,23 @@ message holds."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import assert_user_error, run_cli
+from conftest import assert_user_error, run_cli, write_preset
+from transformers import AutoTokenizer
 
 from localspec.drafters.head_files import read_config
 from localspec.errors import InputFileError, ModelLoadError
-from localspec.presets import list_preset_names
-from localspec.training.prompts import load_prompts
+from localspec.pipeline import Pipeline
+from localspec.presets import list_preset_names, load_preset
+from localspec.training.prompts import encode_prompts, load_prompts
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -37,9 +41,28 @@ def _env(tmp_path: Path) -> dict[str, str]:
 BAD_LINES = [
     ('{"messages": "oops"}', "'messages' must be a non-empty list"),
     ('{"messages": []}', "'messages' must be a non-empty list"),
-    ('{"messages": [{"role": "user"}]}', "exactly the keys 'role' and 'content'"),
+    ('{"messages": [{"role": "user"}]}', "with the keys 'role' and 'content'"),
     ('{"messages": [{"role": "user", "content": 5}]}', "'content' must be a string"),
     ('{"messages": ["hi"]}', "messages[0] must be an object"),
+    ('{"messages": [{"role": "user", "content": "x", "tool_calls": []}]}',
+     "key(s) tool_calls not allowed in a 'user' message"),
+    ('{"messages": [{"role": "assistant", "content": "x", "tool_calls": []}]}',
+     "'tool_calls' must be a non-empty list"),
+    ('{"messages": [{"role": "assistant", "content": null}]}', "'content' must be a string"),
+    ('{"messages": [{"role": "assistant", "content": "", "tool_calls": [{"function": '
+     '{"name": "f"}}]}]}', "messages[0] tool_calls[0] must be"),
+    ('{"messages": [{"role": "assistant", "content": "", "tool_calls": [{"function": '
+     '{"name": "f", "arguments": "{oops"}}]}]}', "tool_calls[0] arguments: not JSON"),
+    ('{"messages": [{"role": "assistant", "content": "", "tool_calls": [{"function": '
+     '{"name": "f", "arguments": "[1]"}}]}]}', "arguments must be a JSON object, got list"),
+    ('{"messages": [{"role": "tool", "content": "x", "tool_call_id": 3}]}',
+     "'tool_call_id' must be a string"),
+    ('{"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}',
+     "'tools' needs 'messages'"),
+    ('{"messages": [{"role": "user", "content": "x"}], "tools": {}}',
+     "'tools' must be a non-empty list"),
+    ('{"messages": [{"role": "user", "content": "x"}], "tools": [{"name": "f"}]}',
+     "tools[0] must be"),
     ('{"prompt": 5}', "'prompt' must be a non-empty string"),
     ('{"prompt": "  "}', "'prompt' must be a non-empty string"),
     ('{"prompt": "a", "messages": [{"role": "user", "content": "b"}]}', "exactly one of"),
@@ -118,6 +141,79 @@ def test_prompt_file_errors_found_after_encoding(
                     encoding="utf-8")
     assert_user_error(run_cli(capsys, command, "--preset", presets["ngram"], "--prompts",
                               str(path)), "line 1", "unknown role robot")
+
+
+AGENT_TEMPLATE = (  # renders the tools, and each call's arguments as JSON (as Qwen's does)
+    "{% for t in tools or [] %}<|tools|>{{ t | tojson }}{{ '\\n' }}{% endfor %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+    "{% for c in m.tool_calls or [] %}<call>{{ c.function.name }} "
+    "{{ c.function.arguments | tojson }}</call>{% endfor %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+AGENT_ROW = {
+    "category": "agent",
+    "tools": [{"type": "function", "function": {
+        "name": "read_file", "parameters": {"type": "object",
+                                            "properties": {"path": {"type": "string"}}}}}],
+    "messages": [
+        {"role": "user", "content": "fix add.py"},
+        {"role": "assistant", "content": None, "tool_calls": [  # as OpenAI's API sends it
+            {"id": "c1", "type": "function",
+             "function": {"name": "read_file", "arguments": '{"path": "add.py"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "def add(a, b):\n    return a - b\n"}],
+}
+
+
+@pytest.fixture(scope="module")
+def agent_preset(tiny_folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+                 ) -> str:
+    """The tiny n-gram preset, its target's template one that renders tools and tool calls."""
+    folder = tmp_path_factory.mktemp("agent-model")
+    shutil.copytree(tiny_folders["target"], folder / "target")
+    tokenizer = AutoTokenizer.from_pretrained(folder / "target")
+    tokenizer.chat_template = AGENT_TEMPLATE
+    tokenizer.save_pretrained(folder / "target")
+    return write_preset(folder, folder / "target")
+
+
+def test_agent_rows_offer_tools_and_render_tool_calls(
+        capsys: pytest.CaptureFixture[str], agent_preset: str, tmp_path: Path) -> None:
+    """A row with tools and tool calls goes through the chat template with its tools offered
+    and each call's arguments an object (an OpenAI-style JSON string is parsed first: a
+    template given the string would render it quoted); bench runs it."""
+    path = tmp_path / "agent.jsonl"
+    path.write_text(json.dumps(AGENT_ROW) + "\n", encoding="utf-8")
+    rows = load_prompts(str(path))
+    call = rows[0]["messages"][1]
+    assert call["content"] == ""
+    assert call["tool_calls"][0]["function"]["arguments"] == {"path": "add.py"}
+    pipe = Pipeline.load(load_preset(agent_preset))
+    text = pipe.tokenizer.decode(encode_prompts(pipe, rows, 4)[0])
+    assert text.startswith('<|tools|>{"type": "function", "function": {"name": "read_file"')
+    assert '<|assistant|><call>read_file {"path": "add.py"}</call>\n' in text
+    assert text.endswith("<|tool|>def add(a, b):\n    return a - b\n\n<|assistant|>")
+    code, out, err = run_cli(capsys, "bench", "--preset", agent_preset, "--prompts", str(path),
+                             "--methods", "ngram", "--max-new-tokens", "4")
+    assert code == 0, err
+    assert "agent" in out and "NO" not in out
+
+
+def test_agent_transcript_is_one_growing_session() -> None:
+    """The shipped agent transcript: one session, each row's history the last row's plus one
+    assistant turn and its tool results; the write_file call re-emits the whole file."""
+    rows = load_prompts(str(REPO / "localspec" / "data" / "agent_transcript.jsonl"))
+    assert [r["category"] for r in rows] == ["agent 1: read_file", "agent 2: write_file",
+                                             "agent 3: run_tests", "agent 4: answer"]
+    for before, after in itertools.pairwise(rows):
+        assert after["messages"][:len(before["messages"])] == before["messages"]
+        assert [m["role"] for m in after["messages"][len(before["messages"]):]] == [
+            "assistant", "tool"]
+        assert after["tools"] == before["tools"]
+    read, write = (rows[i]["messages"][-2]["tool_calls"][0]["function"] for i in (1, 2))
+    assert read["name"] == "read_file" and write["name"] == "write_file"
+    original = rows[1]["messages"][-1]["content"]
+    assert write["arguments"]["content"].count("\n") == original.count("\n") + 2 >= 50
+    assert rows[3]["messages"][-1]["content"].endswith("7 passed")
 
 
 def test_bad_presets_are_exit_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ later runs load the cached safetensors in seconds.
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -73,6 +74,24 @@ def test_default_pair_greedy_equal_on_real_models(qwen_pair: Pipeline) -> None:
     results = check_greedy(qwen_pair, prompts[:3], ["draft_model", "ngram"], 40, log=lambda _: None)
     assert all(r["passed"] for r in results), results
     assert all(r["identical"] for r in results), results
+
+
+def test_agent_transcript_renders_as_one_session(qwen_pair: Pipeline) -> None:
+    """Qwen's template renders the agent transcript's tool calls in its own <tool_call> tags
+    (the arguments an object, the file re-emitted in a JSON string) and the tool results in
+    <tool_response>; each turn's prompt begins with the last one's, token for token."""
+    rows = load_prompts(str(REPO / "localspec" / "data" / "agent_transcript.jsonl"))
+    encoded = [qwen_pair.encode_chat(r["messages"], r["tools"]) for r in rows]
+    for before, after in itertools.pairwise(encoded):
+        assert after[:len(before)] == before
+    text = qwen_pair.tokenizer.decode(encoded[-1])
+    assert '"name": "write_file", "description"' in text  # the tools, offered
+    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "read_file", "arguments": {"path": '
+            '"stats.py"}}\n</tool_call><|im_end|>') in text
+    assert '<tool_call>\n{"name": "write_file", "arguments": {"path": "stats.py", "content": ' \
+           '"\\"\\"\\"Small statistics' in text
+    assert "<|im_start|>user\n<tool_response>\n.......  " in text
+    assert text.endswith("7 passed\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_real_draft_is_accepted_often(qwen_pair: Pipeline) -> None:
