@@ -149,6 +149,12 @@ def test_text_and_a_malformed_call_come_back_as_text(url: str, script: Script) -
         assert (content, calls, reason) == (answer, [], "stop")
 
 
+def handed(request: GenerationRequest) -> dict[str, object]:
+    """The OutputFormat a request's grammar was compiled from (its ``key``, as JSON)."""
+    assert request.grammar is not None
+    return json.loads(request.grammar.key)
+
+
 def test_what_the_grammar_and_the_template_are_handed(url: str, host: ModelHost,
                                                       script: Script) -> None:
     script.pieces = ["{}"]
@@ -163,26 +169,27 @@ def test_what_the_grammar_and_the_template_are_handed(url: str, host: ModelHost,
     assert "tools: get_weather add" in prompt
     assert '<tool_call>get_weather {"city": "Paris"}</tool_call>' in prompt
     assert "<|tool|>18 C" in prompt
-    assert request.output.tags_only and [t.begin for t in request.output.tags] == [
+    fmt = handed(request)  # the format the grammar was compiled from
+    assert fmt["tags_only"] and [begin for begin, _, _ in fmt["tags"]] == [
         '<tool_call>\n{"name": "get_weather", "arguments": ',
         '<tool_call>\n{"name": "add", "arguments": ']
-    assert request.output.tags[0].schema == PARAMS
+    assert fmt["tags"][0][1] == PARAMS
     c.chat.completions.create(model=None, messages=USER, tools=TOOLS,
                               tool_choice={"type": "function", "function": {"name": "add"}})
-    assert [t.begin for t in script.requests[-1].output.tags] == [
+    assert [begin for begin, _, _ in handed(script.requests[-1])["tags"]] == [
         '<tool_call>\n{"name": "add", "arguments": ']
     c.chat.completions.create(model=None, messages=USER, tools=TOOLS)
-    assert script.requests[-1].output.triggers == ("<tool_call>",)
+    assert handed(script.requests[-1])["triggers"] == ["<tool_call>"]
     c.chat.completions.create(model=None, messages=USER, tools=TOOLS, tool_choice="none")
     request = script.requests[-1]
-    assert request.output is None
+    assert request.grammar is None
     assert "tools:" not in host.pipeline.tokenizer.decode(request.prompt_ids)
     c.chat.completions.create(model=None, messages=USER, tools=TOOLS,
                               parallel_tool_calls=False)
     assert "</tool_call>" in script.requests[-1].stop_strings
     c.chat.completions.create(model=None, messages=USER,
                               response_format={"type": "json_object"})
-    assert script.requests[-1].output == OutputFormat(json={"type": "object"})
+    assert handed(script.requests[-1]) == json.loads(OutputFormat(json={"type": "object"}).key())
 
 
 class Weather(BaseModel):
@@ -197,7 +204,7 @@ def test_parse_with_a_pydantic_model(url: str, script: Script) -> None:
         else c.beta.chat.completions.parse
     reply = parse(model=None, messages=USER, response_format=Weather)
     assert reply.choices[0].message.parsed == Weather(city="Paris", celsius=18)
-    schema = script.requests[-1].output.json
+    schema = handed(script.requests[-1])["json"]
     assert schema["properties"]["celsius"] == {"title": "Celsius", "type": "integer"}
     assert schema["additionalProperties"] is False  # the client's strict schema, as sent
 
