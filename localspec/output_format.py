@@ -36,24 +36,28 @@ class OutputFormat:
     ``json``: the whole answer is one JSON value matching this schema (``response_format``
     ``json_object`` is ``{"type": "object"}``, ``json_schema`` its schema). Otherwise ``tags``
     are the tool calls the answer may make: with ``tags_only`` (``tool_choice`` "required" or a
-    named function) the answer is one or more of them and nothing else; without, it is free
-    text in which each of ``triggers`` starts one of the tags (``tool_choice`` "auto").
+    named function) the answer is one or more of them and nothing else (``single_tag``: exactly
+    one); without, it is free text in which each of ``triggers`` starts one of the tags
+    (``tool_choice`` "auto").
     """
 
     json: JsonSchema | None = None
     tags: tuple[TaggedJson, ...] = ()
     triggers: tuple[str, ...] = ()
     tags_only: bool = False
+    single_tag: bool = False
 
     def __post_init__(self) -> None:
         if (self.json is None) == (not self.tags):
             raise ValueError("an OutputFormat is either one JSON value or tool-call tags")
         if self.tags and not self.tags_only and not self.triggers:
             raise ValueError("tags inside free text need the triggers that start them")
+        if self.single_tag and not self.tags_only:
+            raise ValueError("single_tag bounds an answer of tags only")
 
     def key(self) -> str:
         """A stable text of the whole format: what a cache of compiled grammars is keyed by."""
         return json.dumps({"json": self.json, "triggers": list(self.triggers),
-                           "tags_only": self.tags_only,
+                           "tags_only": self.tags_only, "single_tag": self.single_tag,
                            "tags": [[t.begin, t.schema, t.end] for t in self.tags]},
                           sort_keys=True, separators=(",", ":"))

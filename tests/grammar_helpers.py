@@ -31,6 +31,7 @@ TAG = TaggedJson('<call>{"name": "f", "arguments": ', ARGS, "}</call>")
 FORMATS = {
     "json": OutputFormat(json=PERSON),
     "tags-only": OutputFormat(tags=(TAG,), tags_only=True),
+    "one-tag": OutputFormat(tags=(TAG,), tags_only=True, single_tag=True),
     "triggered": OutputFormat(tags=(TAG,), triggers=("<call>",)),
 }
 

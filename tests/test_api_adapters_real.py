@@ -140,6 +140,8 @@ def tool_clients(tmp_path_factory: pytest.TempPathFactory,
 
 
 ASK = "What is the weather in Paris? Use the tool."
+# without it, the 1.5B answers a tool's result by calling the tool again
+SYSTEM = "When a tool result arrives, answer the user in one plain sentence."
 
 
 def test_responses_tool_calls(tool_clients: tuple[OpenAI, anthropic.Anthropic]) -> None:
@@ -170,6 +172,7 @@ def test_responses_tool_calls(tool_clients: tuple[OpenAI, anthropic.Anthropic]) 
         calls[0].arguments]
     answer = client.responses.create(
         model=TOOL_PRESET, previous_response_id=reply.id, tools=tools, temperature=0,
+        instructions=SYSTEM,
         max_output_tokens=64, input=[{"type": "function_call_output",
                                       "call_id": calls[0].call_id, "output": "sunny, 24 C"}])
     assert answer.output_text and not [o for o in answer.output if o.type == "function_call"]
@@ -194,6 +197,7 @@ def test_messages_tool_use(tool_clients: tuple[OpenAI, anthropic.Anthropic]) -> 
     assert final.stop_reason == "tool_use"
     answer = claude.messages.create(
         model=TOOL_PRESET, max_tokens=64, tools=tools, extra_body={"temperature": 0},
+        system=SYSTEM,
         messages=[*ask, {"role": "assistant", "content": reply.content},
                   {"role": "user", "content": [{"type": "tool_result",
                                                 "tool_use_id": uses[0].id,

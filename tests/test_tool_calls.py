@@ -116,7 +116,9 @@ def test_the_grammar_of_each_tool_choice() -> None:
     required = answer_format(QWEN, schemas, ("get_weather",), True, None)
     assert required == OutputFormat(tags=(TaggedJson(
         '<tool_call>\n{"name": "get_weather", "arguments": ', PARAMS, "}\n</tool_call>"),),
-        tags_only=True)
+        tags_only=True, single_tag=True)
+    several = answer_format(QWEN, schemas, ("get_weather",), True, None, parallel=True)
+    assert several.tags_only and not several.single_tag
     auto = answer_format(QWEN, schemas, ("get_weather", "add"), False, None)
     assert auto.triggers == ("<tool_call>",) and not auto.tags_only and len(auto.tags) == 2
     assert all(t.begin.startswith(auto.triggers[0]) for t in auto.tags)
@@ -134,6 +136,9 @@ def plan(**fields: object):
 def test_a_requests_plan() -> None:
     p = plan(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}})
     assert p.output.tags_only and [t.begin for t in p.output.tags] == [QWEN.begin("add")]
+    assert p.output.single_tag
+    assert not plan(tools=TOOLS, tool_choice="required", parallel_tool_calls=True
+                    ).output.single_tag
     assert p.output.tags[0].schema == {"type": "object", "properties": {}}
     assert p.functions == {"add": {"type": "object", "properties": {}}}
     assert [t["function"]["name"] for t in p.tools] == ["get_weather", "add"]

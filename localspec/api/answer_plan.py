@@ -4,8 +4,9 @@ to the chat template, the grammar the engine masks with, and how the answer is r
 ``tool_choice`` "none" offers no tools and constrains nothing (the history may still hold
 earlier calls: the template renders them). Otherwise the model's tool-call format is read from
 its chat template; a template without one is a 400 (the tools could neither be offered nor
-their calls read). ``parallel_tool_calls: false`` stops the answer after its first call where
-the format has a text that ends one.
+their calls read). Under "required" or a named function the grammar allows one call unless
+``parallel_tool_calls`` is true; under "auto", ``parallel_tool_calls: false`` stops the answer
+after its first call where the format has a text that ends one.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ def answer_plan(body: ChatRequest, chat_template: str | Mapping[str, str] | None
                          "or send tool_choice 'none'", param="tools")
     schemas = {t.function.name: parameters(t.function.parameters) for t in body.tools or ()}
     try:
-        output = answer_format(fmt, schemas, allowed, body.calls_required(), json_schema)
+        output = answer_format(fmt, schemas, allowed, body.calls_required(), json_schema,
+                               parallel=body.parallel_tool_calls is True)
     except ValueError as exc:
         raise BadRequest(str(exc), param="response_format") from exc
     stops = ((fmt.stop_after_call,) if fmt is not None and fmt.stop_after_call is not None

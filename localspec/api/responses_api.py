@@ -131,7 +131,8 @@ class Head:
                 "incomplete_details": ({"reason": "max_output_tokens"}
                                        if status == "incomplete" else None),
                 "instructions": r.instructions, "max_output_tokens": r.max_output_tokens,
-                "model": self.job.model, "output": output, "parallel_tool_calls": True,
+                "model": self.job.model, "output": output,
+                "parallel_tool_calls": r.parallel_tool_calls is not False,
                 "previous_response_id": r.previous_response_id,
                 "reasoning": {"effort": None, "summary": None}, "store": r.store,
                 "temperature": sampling.temperature, "text": {"format": text_format},

@@ -29,7 +29,7 @@ ChatMessage = dict[str, Any]
 
 # Fields that never change an answer here: accepted, ignored. ``truncation`` matters only past
 # the context, which is a 413 either way; ``include`` asks for data we never produce.
-IGNORED = frozenset({"user", "metadata", "service_tier", "parallel_tool_calls", "include",
+IGNORED = frozenset({"user", "metadata", "service_tier", "include",
                      "prompt_cache_key", "prompt_cache_retention", "safety_identifier",
                      "stream_options", "truncation", "reasoning"})
 # Fields ignored at these values only.
@@ -58,6 +58,7 @@ class ResponsesRequest(BaseModel):
     instructions: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     max_output_tokens: NewTokens | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
@@ -209,6 +210,7 @@ def chat_body(request: ResponsesRequest, conversation: list[ChatMessage]) -> dic
                 "temperature": request.temperature, "top_p": request.top_p,
                 "tools": chat_tools(request.tools),
                 "tool_choice": chat_tool_choice(request.tool_choice),
+                "parallel_tool_calls": request.parallel_tool_calls,
                 "response_format": response_format(request.text)}
     body.update({k: v for k, v in optional.items() if v is not None})
     return body

@@ -13,7 +13,9 @@ tool format (SmolLM2) is told apart: tools are refused there rather than ignored
 ``answer_format`` turns a request's tools, ``tool_choice`` and ``response_format`` into the
 ``OutputFormat`` the grammar engine masks the target's logits with: with ``tool_choice``
 "required" or a named function the answer is tool calls only, one tag per allowed tool (the
-literal up to the arguments, the tool's parameters' schema, the literal after them); with
+literal up to the arguments, the tool's parameters' schema, the literal after them), and one call
+unless the request asks for parallel calls in so many words (``parallel_tool_calls: true``, as
+llama.cpp's server: a small model held to calls rarely ends a run of them itself); with
 "auto" the tags may start anywhere in free text at the family's trigger. Torch-free.
 """
 
@@ -94,10 +96,12 @@ def parameters(schema: Mapping[str, object] | None) -> JsonSchema:
 
 def answer_format(fmt: ToolFormat | None, tools: Mapping[str, JsonSchema],
                   allowed: tuple[str, ...], required: bool,
-                  json_schema: JsonSchema | None) -> OutputFormat | None:
+                  json_schema: JsonSchema | None, parallel: bool = False,
+                  ) -> OutputFormat | None:
     """The grammar of an answer: ``tools`` (name -> parameters' schema) may be called, those in
-    ``allowed`` only; ``required``: the answer is calls and nothing else; ``json_schema``: the
-    answer (when it is no call) is one JSON value of that schema. None: free text.
+    ``allowed`` only; ``required``: the answer is calls and nothing else, one call unless
+    ``parallel``; ``json_schema``: the answer (when it is no call) is one JSON value of that
+    schema. None: free text.
 
     Raises ValueError for what one grammar cannot say: JSON for free text beside calls."""
     if not allowed:
@@ -106,7 +110,7 @@ def answer_format(fmt: ToolFormat | None, tools: Mapping[str, JsonSchema],
         raise ValueError("this model's chat template has no tool-call format")
     tags = tuple(TaggedJson(fmt.begin(name), tools[name], fmt.end) for name in allowed)
     if required:
-        return OutputFormat(tags=tags, tags_only=True)
+        return OutputFormat(tags=tags, tags_only=True, single_tag=not parallel)
     if json_schema is not None:
         raise ValueError("response_format JSON together with tools under tool_choice 'auto' "
                          "is not supported: send tool_choice 'none' for the JSON answer, or "

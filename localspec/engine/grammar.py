@@ -159,8 +159,9 @@ def to_lark(output: OutputFormat, vocab: GrammarVocab) -> str:
              for i, t in enumerate(output.tags)]
     if output.tags_only:
         calls = " | ".join(f"tag_{i}" for i in range(len(output.tags)))
-        return head + "\n".join(["start: call (SEP? call)*", "SEP: /\\n+/",
-                                 f"call: {calls}", *rules]) + "\n"
+        start = ["start: call"] if output.single_tag else ["start: call (SEP? call)*",
+                                                             "SEP: /\\n{1,2}/"]
+        return head + "\n".join([*start, f"call: {calls}", *rules]) + "\n"
     return head + "\n".join(_triggered(output, vocab)) + "\n"
 
 
