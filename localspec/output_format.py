@@ -33,12 +33,13 @@ class TaggedJson:
 class OutputFormat:
     """The grammar of one answer.
 
-    ``json``: the whole answer is one JSON value matching this schema (``response_format``
-    ``json_object`` is ``{"type": "object"}``, ``json_schema`` its schema). Otherwise ``tags``
-    are the tool calls the answer may make: with ``tags_only`` (``tool_choice`` "required" or a
-    named function) the answer is one or more of them and nothing else (``single_tag``: exactly
-    one); without, it is free text in which each of ``triggers`` starts one of the tags
-    (``tool_choice`` "auto").
+    ``json``: the answer is one JSON value matching this schema (``response_format``
+    ``json_object`` is ``{"type": "object"}``, ``json_schema`` its schema). ``tags`` are the
+    tool calls the answer may make: with ``tags_only`` (``tool_choice`` "required" or a named
+    function) the answer is one or more of them and nothing else (``single_tag``: exactly one);
+    without, it is free text in which each of ``triggers`` starts one of the tags
+    (``tool_choice`` "auto"). Both ``json`` and ``tags`` (``tags_only``): the answer is either
+    the JSON value or the calls (an agent's tools beside its structured final answer).
     """
 
     json: JsonSchema | None = None
@@ -48,8 +49,10 @@ class OutputFormat:
     single_tag: bool = False
 
     def __post_init__(self) -> None:
-        if (self.json is None) == (not self.tags):
-            raise ValueError("an OutputFormat is either one JSON value or tool-call tags")
+        if self.json is None and not self.tags:
+            raise ValueError("an OutputFormat is one JSON value, tool-call tags, or either")
+        if self.json is not None and self.tags and not self.tags_only:
+            raise ValueError("a JSON answer beside calls leaves no free text for triggers")
         if self.tags and not self.tags_only and not self.triggers:
             raise ValueError("tags inside free text need the triggers that start them")
         if self.single_tag and not self.tags_only:

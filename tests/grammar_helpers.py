@@ -32,6 +32,7 @@ FORMATS = {
     "json": OutputFormat(json=PERSON),
     "tags-only": OutputFormat(tags=(TAG,), tags_only=True),
     "one-tag": OutputFormat(tags=(TAG,), tags_only=True, single_tag=True),
+    "json-or-tag": OutputFormat(json=PERSON, tags=(TAG,), tags_only=True, single_tag=True),
     "triggered": OutputFormat(tags=(TAG,), triggers=("<call>",)),
 }
 

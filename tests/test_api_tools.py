@@ -228,8 +228,6 @@ def error(response: httpx.Response, status: int, needle: str) -> dict:
      "has no 'schema'", "response_format.json_schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": {
         "type": "object", "description": "x" * 200_000}}}}, "over the limit", None),
-    ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "tool_choice 'none'",
-     "response_format"),
     ({"functions": [{"name": "f", "parameters": {}}]}, "send them as tools", None),
 ])
 def test_refusals_over_http(url: str, fields: dict, needle: str, param: str | None) -> None:

@@ -159,3 +159,34 @@ def test_an_openai_agents_sdk_agent_calls_the_tool_and_answers(client: OpenAI) -
     paris, tokyo = asyncio.run(run())
     assert asked == ["Paris", "Tokyo"]
     assert "Paris" in paris and "18" in paris and "Tokyo" in tokyo and "18" in tokyo
+
+
+def test_an_agent_with_tools_and_a_structured_answer(client: OpenAI) -> None:
+    """The Agents SDK's ``output_type`` beside tools sends a JSON schema with ``tool_choice``
+    "auto": the answer is a call or that JSON, so the loop calls the tool, then answers in the
+    schema from its result."""
+    agents = pytest.importorskip("agents")
+    import asyncio
+
+    from openai import AsyncOpenAI
+
+    class Report(BaseModel):
+        city: str
+        celsius: int
+
+    asked: list[str] = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """Get the current weather in a city."""
+        asked.append(city)
+        return json.dumps({"city": city, "celsius": 18, "sky": "sunny"})
+
+    agents.set_tracing_disabled(True)
+    model = agents.OpenAIChatCompletionsModel(
+        model=PRESET, openai_client=AsyncOpenAI(base_url=str(client.base_url), api_key="none"))
+    agent = agents.Agent(name="weather", tools=[get_weather], model=model, output_type=Report,
+                         instructions="Look the weather up with the tool, then report it.",
+                         model_settings=agents.ModelSettings(temperature=0, max_tokens=64))
+    result = asyncio.run(agents.Runner.run(agent, "What's the weather in Paris?"))
+    assert (asked, result.final_output) == (["Paris"], Report(city="Paris", celsius=18))

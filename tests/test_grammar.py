@@ -173,7 +173,7 @@ def test_greedy_output_is_plain_constrained_decoding(vocab: GrammarVocab, target
     # a random model calls the tool again and again: its answer of calls ends at the length,
     # unless the format allows one call, after which the end is forced
     assert events[-1].finish_reason == ("length" if form == "tags-only" else "eos")
-    if form == "json":
+    if form == "json" or (form == "json-or-tag" and not text_of(tokens).startswith("<")):
         jsonschema.validate(json.loads(text_of(tokens)), PERSON)
     elif form != "triggered":
         calls = calls_of(text_of(tokens))
@@ -320,6 +320,17 @@ def test_a_grammar_that_ends_forces_the_end(vocab: GrammarVocab) -> None:
     shaped = constraint.shape(Proposal([]), room=20)
     assert text_of(shaped.proposal.tokens) == '"yes"' and shaped.forced == 5
     assert bool(shaped.allowed[-1, EOS])  # then the end (or trailing blanks)
+
+
+def test_json_or_one_call_takes_either_and_ends_after_it(vocab: GrammarVocab) -> None:
+    call = TAG.begin + '{"x": 3, "unit": "c"}' + TAG.end
+    person = '{"name": "Al", "mood": "ok", "age": 3}'
+    grammar = compile_format(FORMATS["json-or-tag"], vocab)
+    for text, accepted in ((person, True), (call, True), (call + "\n" + call, False),
+                           ("Hi" + call, False)):
+        matcher = grammar.matcher()
+        consumed = all(matcher.consume_token(t) for t in ids(text))
+        assert (consumed and matcher.is_accepting()) == accepted, text
 
 
 def test_special_tokens_in_literals_are_referred_to_by_id() -> None:

@@ -106,9 +106,12 @@ def test_the_family_is_read_from_the_template() -> None:
     assert detect_format('"parameters": <|eot_id|>') is LLAMA3
     assert detect_format("{% for m in messages %}{{ m.content }}{% endfor %}") is None
     assert detect_format(None) is None
-    assert QWEN.begin("f") + "{}" + QWEN.end == \
-        '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
-    assert LLAMA3.begin("f") + "{}" + LLAMA3.end == '{"name": "f", "parameters": {}}'
+    def spelled(tag: TaggedJson) -> str:
+        return tag.begin + "{}" + tag.end
+
+    assert spelled(QWEN.tag("f", {})) == '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    assert spelled(QWEN.tag("f", {}, fenced=True)) == '```json\n{"name": "f", "arguments": {}}\n```'
+    assert spelled(LLAMA3.tag("f", {})) == '{"name": "f", "parameters": {}}'
 
 
 def test_the_grammar_of_each_tool_choice() -> None:
@@ -125,8 +128,10 @@ def test_the_grammar_of_each_tool_choice() -> None:
     assert answer_format(None, {}, (), False, None) is None
     assert answer_format(None, {}, (), False, {"type": "object"}) == \
         OutputFormat(json={"type": "object"})
-    with pytest.raises(ValueError, match="tool_choice 'none'"):
-        answer_format(QWEN, schemas, ("add",), False, {"type": "object"})
+    either = answer_format(QWEN, schemas, ("add",), False, {"type": "object"})
+    assert either.json == {"type": "object"} and either.tags_only and either.single_tag
+    assert either.tags == (QWEN.tag("add", schemas["add"]), QWEN.tag("add", schemas["add"], True))
+    assert answer_format(QWEN, schemas, ("add",), True, {"type": "object"}).json is None
 
 
 def plan(**fields: object):
@@ -135,7 +140,7 @@ def plan(**fields: object):
 
 def test_a_requests_plan() -> None:
     p = plan(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}})
-    assert p.output.tags_only and [t.begin for t in p.output.tags] == [QWEN.begin("add")]
+    assert p.output.tags_only and p.output.tags == (QWEN.tag("add", p.functions["add"]),)
     assert p.output.single_tag
     assert not plan(tools=TOOLS, tool_choice="required", parallel_tool_calls=True
                     ).output.single_tag

@@ -37,7 +37,7 @@ class AnswerPlan:
 def answer_plan(body: ChatRequest, chat_template: str | Mapping[str, str] | None,
                 ) -> AnswerPlan:
     """The plan for ``body`` on a model with ``chat_template``; BadRequest for tools the model
-    cannot call or a combination one grammar cannot say."""
+    cannot call."""
     allowed = body.allowed_tools()
     json_schema = body.response_format.answer_schema() if body.response_format else None
     fmt = detect_format(chat_template) if allowed else None
@@ -46,11 +46,8 @@ def answer_plan(body: ChatRequest, chat_template: str | Mapping[str, str] | None
                          "offered tools: use a model made for tool calling (the Qwen presets), "
                          "or send tool_choice 'none'", param="tools")
     schemas = {t.function.name: parameters(t.function.parameters) for t in body.tools or ()}
-    try:
-        output = answer_format(fmt, schemas, allowed, body.calls_required(), json_schema,
-                               parallel=body.parallel_tool_calls is True)
-    except ValueError as exc:
-        raise BadRequest(str(exc), param="response_format") from exc
+    output = answer_format(fmt, schemas, allowed, body.calls_required(), json_schema,
+                           parallel=body.parallel_tool_calls is True)
     stops = ((fmt.stop_after_call,) if fmt is not None and fmt.stop_after_call is not None
              and body.parallel_tool_calls is False else ())
     return AnswerPlan(tools=body.template_tools(), output=output, reader=fmt,

@@ -16,7 +16,8 @@ tool format (SmolLM2) is told apart: tools are refused there rather than ignored
 literal up to the arguments, the tool's parameters' schema, the literal after them), and one call
 unless the request asks for parallel calls in so many words (``parallel_tool_calls: true``, as
 llama.cpp's server: a small model held to calls rarely ends a run of them itself); with
-"auto" the tags may start anywhere in free text at the family's trigger. Torch-free.
+"auto" the tags may start anywhere in free text at the family's trigger, and with "auto" and a
+JSON ``response_format`` the answer is that JSON value or the calls. Torch-free.
 """
 
 from __future__ import annotations
@@ -51,15 +52,14 @@ class ToolFormat:
     fenced: bool
     separators: str
 
-    def begin(self, name: str) -> str:
-        """The literal text of a call to ``name`` up to its arguments."""
-        return f'{self.open}{{"name": {json.dumps(name, ensure_ascii=False)}, ' \
-               f'"{self.args_key}": '
-
-    @property
-    def end(self) -> str:
-        """The literal text after a call's arguments."""
-        return "}" + self.close
+    def tag(self, name: str, schema: JsonSchema, fenced: bool = False) -> TaggedJson:
+        """A call to ``name`` with arguments of ``schema`` as the grammar's tag: the literal
+        text up to the arguments and after them, in the family's own tags or (``fenced``) in
+        the Markdown block its model writes when unconstrained."""
+        head = f'{{"name": {json.dumps(name, ensure_ascii=False)}, "{self.args_key}": '
+        if fenced:
+            return TaggedJson("```json\n" + head, schema, "}\n```")
+        return TaggedJson(self.open + head, schema, "}" + self.close)
 
 
 QWEN = ToolFormat(family="qwen", open="<tool_call>\n", args_key="arguments",
@@ -100,19 +100,17 @@ def answer_format(fmt: ToolFormat | None, tools: Mapping[str, JsonSchema],
                   ) -> OutputFormat | None:
     """The grammar of an answer: ``tools`` (name -> parameters' schema) may be called, those in
     ``allowed`` only; ``required``: the answer is calls and nothing else, one call unless
-    ``parallel``; ``json_schema``: the answer (when it is no call) is one JSON value of that
-    schema. None: free text.
-
-    Raises ValueError for what one grammar cannot say: JSON for free text beside calls."""
+    ``parallel``; ``json_schema``: the answer is one JSON value of that schema, or (tools
+    allowed) the calls instead, with no free text. None: free text."""
     if not allowed:
         return OutputFormat(json=json_schema) if json_schema is not None else None
     if fmt is None:
         raise ValueError("this model's chat template has no tool-call format")
-    tags = tuple(TaggedJson(fmt.begin(name), tools[name], fmt.end) for name in allowed)
+    tags = tuple(fmt.tag(name, tools[name]) for name in allowed)
     if required:
         return OutputFormat(tags=tags, tags_only=True, single_tag=not parallel)
-    if json_schema is not None:
-        raise ValueError("response_format JSON together with tools under tool_choice 'auto' "
-                         "is not supported: send tool_choice 'none' for the JSON answer, or "
-                         "'required' for the calls")
+    if json_schema is not None:  # the first token chooses: a call, as the model writes one, or JSON
+        if fmt.fenced:
+            tags += tuple(fmt.tag(name, tools[name], fenced=True) for name in allowed)
+        return OutputFormat(json=json_schema, tags=tags, tags_only=True, single_tag=not parallel)
     return OutputFormat(tags=tags, triggers=(fmt.trigger,))

@@ -153,15 +153,16 @@ def to_lark(output: OutputFormat, vocab: GrammarVocab) -> str:
     """The Lark grammar (llguidance's dialect) of ``output``; FormatError for a schema that is
     not a JSON Schema document or a tag that no trigger starts."""
     head = "%llguidance {}\n"
-    if output.json is not None:
+    if not output.tags:
         return head + f"start: {_json(output.json)}\n"
     rules = [f"tag_{i}: {_literal(t.begin, vocab)} {_json(t.schema)} {_literal(t.end, vocab)}"
              for i, t in enumerate(output.tags)]
     if output.tags_only:
-        calls = " | ".join(f"tag_{i}" for i in range(len(output.tags)))
-        start = ["start: call"] if output.single_tag else ["start: call (SEP? call)*",
-                                                             "SEP: /\\n{1,2}/"]
-        return head + "\n".join([*start, f"call: {calls}", *rules]) + "\n"
+        calls = "call" if output.single_tag else "call (SEP? call)*"
+        answer = calls if output.json is None else f"({calls}) | {_json(output.json)}"
+        tags = " | ".join(f"tag_{i}" for i in range(len(output.tags)))
+        return head + "\n".join([f"start: {answer}", "SEP: /\\n{1,2}/", f"call: {tags}",
+                                  *rules]) + "\n"
     return head + "\n".join(_triggered(output, vocab)) + "\n"
 
 
