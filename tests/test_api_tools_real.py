@@ -189,4 +189,5 @@ def test_an_agent_with_tools_and_a_structured_answer(client: OpenAI) -> None:
                          instructions="Look the weather up with the tool, then report it.",
                          model_settings=agents.ModelSettings(temperature=0, max_tokens=64))
     result = asyncio.run(agents.Runner.run(agent, "What's the weather in Paris?"))
-    assert (asked, result.final_output) == (["Paris"], Report(city="Paris", celsius=18))
+    # 18 is the tool's (unprompted, the model guessed 15); it may look twice before answering
+    assert set(asked) == {"Paris"} and result.final_output == Report(city="Paris", celsius=18)

@@ -5,6 +5,8 @@ its backlog and times its catch-up."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from conftest import collect, decode, draft_drafter
@@ -64,17 +66,28 @@ def test_a_drafter_with_nothing_to_catch_up_is_tried_at_once() -> None:
     assert asked(choice, [0.0, 0.0]) == [1, 0]
 
 
-def test_a_behind_drafter_is_asked_once_no_measured_drafter_pays() -> None:
-    """However dear its catch-up: drafter 0 keeps missing and rests, so drafter 1 drafts."""
-    choice, catch_up = DrafterChoice(2, k_max=4), [0.0, 1e9]
+def test_a_behind_drafter_waits_for_the_rent_when_nothing_else_pays() -> None:
+    """Drafter 0 keeps missing (it soon rests) and drafter 1's catch-up is 0.25 s beyond the
+    allowance: it is asked once the missed steps have paid CATCH_UP_RENT times that, as when
+    another drafter pays (an agent's long prompt with a short answer is never read for it)."""
+    beyond = 0.25
+    choice, catch_up = DrafterChoice(2, k_max=4), [0.0, CATCH_UP_ALLOWANCE * PASS + beyond]
     first_step(choice, catch_up)
-    for _ in range(20):
-        order = asked(choice, catch_up)
-        if 1 in order:
-            break
-        choice.asked(Attempt(0, 4))
-        choice.record(0, 4, 0, {0: 0.01}, PASS)
-    assert order == [1]
+    misses = 0
+    while 1 not in (order := asked(choice, catch_up)):
+        if order:
+            choice.asked(Attempt(order[0], 4))
+        choice.record(order[0] if order else None, 4 if order else 0, 0, {0: 0.01}, PASS)
+        misses += 1
+    assert misses == math.ceil(CATCH_UP_RENT * beyond / PASS) and order[0] == 1
+
+
+def test_a_behind_drafter_waits_at_an_answers_first_step() -> None:
+    """Before any pass is timed there is no allowance to weigh a catch-up against: one step."""
+    choice = DrafterChoice(1, k_max=4)
+    assert choice.order([False], [0.01]) == []
+    choice.record(None, 0, 0, {}, PASS)
+    assert [a.index for a in choice.order([False], [0.01])] == [0]
 
 
 def test_the_draft_model_never_reads_the_prompt_while_another_drafter_keeps_everything(
