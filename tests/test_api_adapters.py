@@ -201,7 +201,7 @@ def test_responses_stream_events_read_by_the_official_client() -> None:
         "response.completed"]
     assert [e["output_index"] for e in events if e["type"].endswith("item.added")] == [0, 1, 2]
     assert response["speculation"] == SPECULATION and response["status"] == "completed"
-    client = sse_client(openai.OpenAI, responses_api.sse(events))
+    client = sse_client(openai.OpenAI, chat_bridge.sse(events))
     with client.responses.stream(model="m", input="x") as stream:
         seen = [event.type for event in stream]
         final = stream.get_final_response()

@@ -9,7 +9,7 @@ import anthropic
 import pytest
 from adapter_helpers import MESSAGE, chunk, sse_client, tool_chunks
 
-from localspec.api import messages_api, messages_request
+from localspec.api import chat_bridge, messages_request
 from localspec.api.errors import BadRequest, ServerError
 from localspec.api.messages_api import (
     MessageEvents,
@@ -158,7 +158,7 @@ def test_messages_stream_events_read_by_the_official_client() -> None:
         "content_block_delta", "content_block_delta", "content_block_stop",
         "content_block_start", "content_block_delta", "content_block_stop", "message_delta",
         "message_stop"]
-    client = sse_client(anthropic.Anthropic, messages_api.sse(out))
+    client = sse_client(anthropic.Anthropic, chat_bridge.sse(out))
     with client.messages.stream(model="m", max_tokens=5, messages=[
             {"role": "user", "content": "x"}]) as stream:
         final = stream.get_final_message()
@@ -176,7 +176,7 @@ def test_messages_stream_error_is_raised_by_the_official_client() -> None:
                             "model": "m"}, input_tokens=5)
     out = events.start() + events.chunk(chunk({"content": "ab"}))
     out += events.fail(ServerError("the model file went bad"))
-    client = sse_client(anthropic.Anthropic, messages_api.sse(out))
+    client = sse_client(anthropic.Anthropic, chat_bridge.sse(out))
     with pytest.raises(anthropic.APIStatusError, match="the model file went bad"), \
             client.messages.stream(model="m", max_tokens=5,
                                    messages=[{"role": "user", "content": "x"}]) as stream:

@@ -12,6 +12,7 @@ not answer JSON.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -127,15 +128,11 @@ def test_a_named_tool_is_called_even_off_topic(client: OpenAI, grammar: None) ->
     assert reply.choices[0].finish_reason == "tool_calls"
 
 
-def test_an_openai_agents_sdk_agent_calls_the_tool_and_answers(client: OpenAI) -> None:
-    """The OpenAI Agents SDK's own loop, whole and streamed: the model calls the tool, the SDK
-    runs it and sends the result back, the model answers from it."""
+def weather_agent(client: OpenAI, asked: list[str], instructions: str, **settings: object):
+    """An Agents SDK agent on the served preset through its chat-completions model, with a
+    ``get_weather`` tool that notes each city it is asked about in ``asked``."""
     agents = pytest.importorskip("agents")
-    import asyncio
-
     from openai import AsyncOpenAI
-
-    asked: list[str] = []
 
     @agents.function_tool
     def get_weather(city: str) -> str:
@@ -146,12 +143,21 @@ def test_an_openai_agents_sdk_agent_calls_the_tool_and_answers(client: OpenAI) -
     agents.set_tracing_disabled(True)
     model = agents.OpenAIChatCompletionsModel(
         model=PRESET, openai_client=AsyncOpenAI(base_url=str(client.base_url), api_key="none"))
-    agent = agents.Agent(name="weather", instructions=SYSTEM, tools=[get_weather], model=model,
-                         model_settings=agents.ModelSettings(temperature=0, max_tokens=64))
+    return agents.Agent(name="weather", instructions=instructions, tools=[get_weather],
+                        model=model, **settings,
+                        model_settings=agents.ModelSettings(temperature=0, max_tokens=64))
+
+
+def test_an_openai_agents_sdk_agent_calls_the_tool_and_answers(client: OpenAI) -> None:
+    """The OpenAI Agents SDK's own loop, whole and streamed: the model calls the tool, the SDK
+    runs it and sends the result back, the model answers from it."""
+    asked: list[str] = []
+    agent = weather_agent(client, asked, SYSTEM)
+    from agents import Runner
 
     async def run() -> tuple[str, str]:
-        whole = await agents.Runner.run(agent, "What's the weather in Paris?")
-        streamed = agents.Runner.run_streamed(agent, "What's the weather in Tokyo?")
+        whole = await Runner.run(agent, "What's the weather in Paris?")
+        streamed = Runner.run_streamed(agent, "What's the weather in Tokyo?")
         async for _ in streamed.stream_events():
             pass
         return whole.final_output, streamed.final_output
@@ -165,29 +171,16 @@ def test_an_agent_with_tools_and_a_structured_answer(client: OpenAI) -> None:
     """The Agents SDK's ``output_type`` beside tools sends a JSON schema with ``tool_choice``
     "auto": the answer is a call or that JSON, so the loop calls the tool, then answers in the
     schema from its result."""
-    agents = pytest.importorskip("agents")
-    import asyncio
-
-    from openai import AsyncOpenAI
 
     class Report(BaseModel):
         city: str
         celsius: int
 
     asked: list[str] = []
+    agent = weather_agent(client, asked, "Look the weather up with the tool, then report it.",
+                          output_type=Report)
+    from agents import Runner
 
-    @agents.function_tool
-    def get_weather(city: str) -> str:
-        """Get the current weather in a city."""
-        asked.append(city)
-        return json.dumps({"city": city, "celsius": 18, "sky": "sunny"})
-
-    agents.set_tracing_disabled(True)
-    model = agents.OpenAIChatCompletionsModel(
-        model=PRESET, openai_client=AsyncOpenAI(base_url=str(client.base_url), api_key="none"))
-    agent = agents.Agent(name="weather", tools=[get_weather], model=model, output_type=Report,
-                         instructions="Look the weather up with the tool, then report it.",
-                         model_settings=agents.ModelSettings(temperature=0, max_tokens=64))
-    result = asyncio.run(agents.Runner.run(agent, "What's the weather in Paris?"))
+    result = asyncio.run(Runner.run(agent, "What's the weather in Paris?"))
     # 18 is the tool's (unprompted, the model guessed 15); it may look twice before answering
     assert set(asked) == {"Paris"} and result.final_output == Report(city="Paris", celsius=18)

@@ -16,9 +16,11 @@ end-of-sequence token or a stop string) and which stop string ended the answer, 
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from fastapi import Request
 from pydantic import ValidationError
@@ -146,6 +148,7 @@ class ChatChunks:
     generation: Generation
     engine_reason: str | None = None
     stop_sequence: str | None = None
+    failed: bool = False  # ``relay`` ended the stream with the adapter's failure event
     _ids: list[int] = field(default_factory=list)
     _text: list[str] = field(default_factory=list)
     _chat: responses.ChatStream | None = None
@@ -183,3 +186,37 @@ class ChatChunks:
 def start_stream(service: ApiService, job: Job) -> ChatChunks:
     """``job`` admitted and started; its chunks to read."""
     return ChatChunks(service.start(job))
+
+
+class StreamEvents(Protocol):
+    """An adapter's stream: its events for each chat chunk, and for a failure mid-answer."""
+
+    def chunk(self, chunk: dict[str, Any]) -> list[dict[str, Any]]: ...
+    def fail(self, error: ApiError) -> list[dict[str, Any]]: ...
+
+
+def sse(events: list[dict[str, Any]]) -> bytes:
+    """Events as server-sent events, each named by its type (as OpenAI sends them; Anthropic's
+    clients read the name)."""
+    return b"".join(f"event: {e['type']}\ndata: {json.dumps(e, ensure_ascii=False)}\n\n"
+                    .encode() for e in events)
+
+
+async def relay(chunks: ChatChunks, events: StreamEvents) -> AsyncIterator[bytes]:
+    """``chunks`` as ``events``' server-sent events, batch by batch. A failure is logged and
+    ends the stream with ``events.fail`` (what was streamed stays streamed), setting
+    ``chunks.failed``: the adapter then sends no closing events."""
+    try:
+        async for batch in chunks.batches():
+            out = [event for chunk in batch for event in events.chunk(chunk)]
+            if out:
+                yield sse(out)
+    except LocalSpecError as exc:
+        logger.warning("API generation stopped: %s", exc)
+        chunks.failed = True
+        yield sse(events.fail(ServerError(str(exc))))
+    except Exception:  # a bug below the API: logged; the client is told in the stream
+        logger.exception("API generation failed mid-answer")
+        chunks.failed = True
+        yield sse(events.fail(ServerError("internal error (the details are in the server "
+                                          "log)")))

@@ -36,7 +36,6 @@ from localspec.api.messages_request import (
     chat_body,
 )
 from localspec.api.service import ApiService, Job
-from localspec.errors import LocalSpecError
 
 logger = logging.getLogger(__name__)
 
@@ -206,13 +205,6 @@ class MessageEvents:
         return [error_body(error.status, error.message)]
 
 
-def sse(events: list[dict[str, Any]]) -> bytes:
-    """Events as server-sent events, each named by its type (Anthropic's clients read the
-    name)."""
-    return b"".join(f"event: {e['type']}\ndata: {json.dumps(e, ensure_ascii=False)}\n\n"
-                    .encode() for e in events)
-
-
 async def create(service: ApiService, request: Request, body: MessagesRequest) -> Response:
     """``POST /v1/messages``."""
     chat = chat_bridge.chat_request(chat_body(body), RENAME)
@@ -230,22 +222,12 @@ async def _stream(chunks: chat_bridge.ChatChunks, message_id: str,
                   stop_sequences: list[str] | None) -> AsyncIterator[bytes]:
     job = chunks.job
     events = MessageEvents(_head(message_id, job), job.prompt_tokens)
-    yield sse(events.start())
-    try:
-        async for batch in chunks.batches():
-            out = [event for chunk in batch for event in events.chunk(chunk)]
-            if out:
-                yield sse(out)
-    except LocalSpecError as exc:
-        logger.warning("API generation stopped: %s", exc)
-        yield sse(events.fail(ServerError(str(exc))))
+    yield chat_bridge.sse(events.start())
+    async for data in chat_bridge.relay(chunks, events):
+        yield data
+    if chunks.failed:
         return
-    except Exception:  # a bug below the API: logged; the client is told in the stream
-        logger.exception("API generation failed mid-answer")
-        yield sse(events.fail(ServerError("internal error (the details are in the server "
-                                          "log)")))
-        return
-    yield sse(events.finish(chunks.stop_sequence, stop_sequences, usage(job)))
+    yield chat_bridge.sse(events.finish(chunks.stop_sequence, stop_sequences, usage(job)))
 
 
 async def count_tokens(service: ApiService, body: CountTokensRequest) -> dict[str, int]:

@@ -19,7 +19,6 @@ bounded: the oldest go first) for ``GET``/``DELETE /v1/responses/{id}`` and for 
 
 from __future__ import annotations
 
-import json
 import logging
 import secrets
 from collections.abc import AsyncIterator, Callable
@@ -30,7 +29,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from localspec.api import chat_bridge, responses
-from localspec.api.errors import ApiError, NotFound, ServerError
+from localspec.api.errors import ApiError, NotFound
 from localspec.api.responses_request import (
     RENAME,
     ChatMessage,
@@ -40,7 +39,6 @@ from localspec.api.responses_request import (
 )
 from localspec.api.responses_store import ResponseStore
 from localspec.api.service import ApiService, Job
-from localspec.errors import LocalSpecError
 
 logger = logging.getLogger(__name__)
 
@@ -293,12 +291,6 @@ class ResponseEvents:
         return events
 
 
-def sse(events: list[dict[str, Any]]) -> bytes:
-    """Events as server-sent events, each named by its type, as OpenAI sends them."""
-    return b"".join(f"event: {e['type']}\ndata: {json.dumps(e, ensure_ascii=False)}\n\n"
-                    .encode() for e in events)
-
-
 # ---------------------------------------------------------------------------------- routes
 
 
@@ -332,25 +324,15 @@ async def create(service: ApiService, store: ResponseStore, request: Request,
 async def _stream(chunks: chat_bridge.ChatChunks, head: Head, store: ResponseStore,
                   conversation: list[ChatMessage]) -> AsyncIterator[bytes]:
     events = ResponseEvents(head.body)
-    yield sse(events.start())
-    try:
-        async for batch in chunks.batches():
-            out = [event for chunk in batch for event in events.chunk(chunk)]
-            if out:
-                yield sse(out)
-    except LocalSpecError as exc:
-        logger.warning("API generation stopped: %s", exc)
-        yield sse(events.fail(ServerError(str(exc))))
-        return
-    except Exception:  # a bug below the API: logged; the client is told in the stream
-        logger.exception("API generation failed mid-answer")
-        yield sse(events.fail(ServerError("internal error (the details are in the server "
-                                          "log)")))
+    yield chat_bridge.sse(events.start())
+    async for data in chat_bridge.relay(chunks, events):
+        yield data
+    if chunks.failed:
         return
     closing, response = events.finish(responses.usage(chunks.job))  # the job's, complete now
     if head.request.store:
         store.put(response, [*conversation, assistant_message(response["output"])])
-    yield sse(closing)
+    yield chat_bridge.sse(closing)
 
 
 def get(store: ResponseStore, response_id: str) -> dict[str, Any]:
