@@ -29,7 +29,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
-from localspec.errors import LocalSpecError
+from localspec.chats.store import ChatStore
+from localspec.config import HISTORY_DRAFT_TOKENS
+from localspec.errors import ChatStoreError, LocalSpecError
 from localspec.models.cache import Progress
 from localspec.models.loading import audit_cache
 from localspec.pipeline import Pipeline
@@ -40,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 Loader = Callable[[Preset, "Pipeline | None", Progress], Pipeline]
 T = TypeVar("T")
+HISTORY_CHARS_PER_TOKEN = 4  # the saved answers read at start: ~the history's cap in tokens
 
 
 def assemble_pipeline(preset: Preset, previous: Pipeline | None, progress: Progress) -> Pipeline:
@@ -71,14 +74,18 @@ class ModelHost:
     """Holds the active Pipeline; loads presets in a background thread."""
 
     def __init__(self, loader: Loader = assemble_pipeline, warm_up: bool = True,
-                 audit: bool = True, parallel: int = 1) -> None:
+                 audit: bool = True, parallel: int = 1, history: ChatStore | None = None
+                 ) -> None:
         """``parallel`` > 1: the API's requests run in that many slots whose target passes
-        are shared (``scheduler``); 1: one generation at a time, as the app's own."""
+        are shared (``scheduler``); 1: one generation at a time, as the app's own.
+        ``history``: the saved conversations whose answers the suffix drafter learns, read
+        when a preset loads and added to as saved answers finish (None: no history)."""
         if parallel < 1:
             raise ValueError(f"parallel must be >= 1, got {parallel}")
         self._loader = loader
         self._warm_up = warm_up
         self._audit = audit  # hash the cached files in full after a load (background)
+        self.history = history
         self._state_lock = threading.Lock()
         self.generation_lock = threading.Lock()
         self._pipeline: Pipeline | None = None
@@ -147,6 +154,7 @@ class ModelHost:
             self._loading, self._message, self._fraction = key, "reading preset", 0.0
         try:
             pipeline = self._loader(load_preset(key), self._pipeline, self._progress)
+            self._read_history(pipeline)
             # The warm-up and the swap wait for a running generation: the new pipeline may
             # share the old one's models, which must not run two passes at once.
             with self.generation_lock:
@@ -173,6 +181,24 @@ class ModelHost:
                 self._loading = None
                 self._ready.notify_all()
         return True
+
+    def _read_history(self, pipeline: Pipeline) -> None:
+        """Teach a new pipeline the saved answers (not one that kept its predecessor's)."""
+        if (self.history is None or pipeline.history.answers
+                or pipeline.answer_history() is None):
+            return
+        self._progress("reading your earlier answers (history drafts)", 1.0)
+        try:
+            texts = self.history.answer_texts(HISTORY_DRAFT_TOKENS * HISTORY_CHARS_PER_TOKEN)
+        except ChatStoreError as exc:
+            logger.warning("history drafts: the saved answers could not be read: %s", exc)
+            return
+        pipeline.remember(texts)
+
+    def remember_answer(self, pipeline: Pipeline, token_ids: list[int]) -> None:
+        """A saved answer has finished: ``pipeline``'s history learns it (with a history)."""
+        if self.history is not None and token_ids:
+            pipeline.remember([token_ids])
 
     def _audit_cache(self, pipeline: Pipeline) -> None:
         """Hash the loaded models' cached files in full, in the background (the start-up check
