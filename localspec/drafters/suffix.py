@@ -140,6 +140,7 @@ class SuffixDrafter(Drafter):
             self._checked = True
         if not same:
             self._index, self._tokens, held = TokenIndex(fresh_tokens=None), [], 0
+            self._found = None
         if len(context) > held:
             new = list(context[held:])
             if held == 0:

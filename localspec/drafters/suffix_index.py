@@ -157,10 +157,12 @@ class TokenIndex:
         """Positions past the sorted keys (scanned at each query)."""
         return self._end - self._sorted_end
 
-    def _sorted_candidates(self, tail: np.ndarray) -> np.ndarray:
-        """Sorted-part positions ending in the tail's last three tokens (else two, else one):
-        the most recent ``max_candidates`` of one key, or an even spread of a wider range."""
-        t = [int(v) if 0 <= v <= MAX_TOKEN_ID else -1 for v in tail[:3]]
+    def _sorted_candidates(self, tail: np.ndarray, depth: int) -> np.ndarray:
+        """Sorted-part positions ending in the tail's last three tokens (else two, else one;
+        never more than ``depth``): the most recent ``max_candidates`` of one key, or an even
+        spread of a wider range."""
+        t = [int(v) if 0 <= v <= MAX_TOKEN_ID and j < depth else -1
+             for j, v in enumerate([*tail[:3], -1, -1][:3])]
         if t[0] < 0 or self._keys.size == 0:
             return np.zeros(0, dtype=np.int32)
         head = t[0] << (2 * KEY_BITS)
@@ -195,7 +197,7 @@ class TokenIndex:
         end = self._end if before is None else min(before, self._end)
         fresh = np.flatnonzero(self._buf[self._sorted_end : end] == tail[0])
         candidates = np.concatenate([
-            self._sorted_candidates(tail),
+            self._sorted_candidates(tail, depth),
             (fresh[-self.max_candidates :] + self._sorted_end).astype(np.int32)])
         candidates = candidates[(candidates >= self.live_start) & (candidates < end)]
         if candidates.size == 0:
@@ -207,7 +209,8 @@ class TokenIndex:
         if longest == 0:
             return NO_MATCH
         best = candidates[lengths == longest]
-        return Match(longest, self._buf[best[:, None] + 1 + np.arange(depth)[None, :]])
+        rows = self._buf[best[:, None] + 1 + np.arange(depth)[None, :]]
+        return Match(longest, np.where(np.cumsum(rows == SEP, axis=1) > 0, SEP, rows))
 
 
 class AnswerHistory:
