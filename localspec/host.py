@@ -195,10 +195,12 @@ class ModelHost:
             return
         pipeline.remember(texts)
 
-    def remember_answer(self, pipeline: Pipeline, token_ids: list[int]) -> None:
-        """A saved answer has finished: ``pipeline``'s history learns it (with a history)."""
+    def remember_answer(self, pipeline: Pipeline, token_ids: list[int],
+                        prompt_ids: list[int]) -> None:
+        """A saved answer to ``prompt_ids`` has finished: ``pipeline``'s history learns it
+        (with a history)."""
         if self.history is not None and token_ids:
-            pipeline.remember([token_ids])
+            pipeline.remember([token_ids], [prompt_ids])
 
     def _audit_cache(self, pipeline: Pipeline) -> None:
         """Hash the loaded models' cached files in full, in the background (the start-up check

@@ -261,6 +261,12 @@ def test_a_history_of_the_answer_makes_it_draft_the_answer(target_runner: ModelR
                                              set()), request(prompt, k=8))
     assert tokens == expected
     assert len(warm) * 3 <= len(expected) and len(warm) < len(cold)
+    assert not warm[0].drafted  # nothing says which answer comes: it starts after one token
+    # learnt after the end of its prompt (as the app learns it): drafted from the first token
+    history.replace([expected], [prompt])
+    tokens, led = collect(SpeculativeEngine(target_runner, (SuffixDrafter(history),), decode,
+                                            set()), request(prompt, k=8))
+    assert tokens == expected and led[0].accepted == 8 and len(led) < len(warm)
 
 
 class RecordingSuffix(SuffixDrafter):

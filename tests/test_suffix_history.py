@@ -20,6 +20,7 @@ from localspec.cli.export import export_vllm
 from localspec.cli.main import build_parser
 from localspec.config import parse_preset
 from localspec.drafters.suffix import SuffixDrafter
+from localspec.drafters.suffix_index import LEAD_TOKENS
 from localspec.errors import ConfigError
 from localspec.host import ModelHost
 from localspec.pipeline import Pipeline
@@ -63,11 +64,11 @@ def test_a_preset_load_reads_the_saved_answers(tmp_path: Path, presets: dict[str
         drafter = pipe.engine("suffix").drafters[0]
         assert isinstance(drafter, SuffixDrafter) and drafter.history is pipe.history
         assert drafter.propose(ids[:6], 4, *greedy()).tokens == ids[6:10]  # from the history
-        host.remember_answer(pipe, [5, 6, 7])
+        host.remember_answer(pipe, [5, 6, 7], [1, 2])
         assert pipe.history.answers == 3
         none = ModelHost(warm_up=False, audit=False)
         assert none.load(presets["ngram"]), none.status().error
-        none.remember_answer(none.pipeline, [5, 6, 7])
+        none.remember_answer(none.pipeline, [5, 6, 7], [1, 2])
         assert none.pipeline.history.answers == 0
 
 
@@ -92,7 +93,7 @@ def test_history_drafts_off(tmp_path: Path, presets: dict[str, str]) -> None:
         pipe = host.pipeline
         assert pipe.answer_history() is None and pipe.history.answers == 0
         assert pipe.engine("suffix").drafters[0].history is None
-        host.remember_answer(pipe, [5, 6, 7])
+        host.remember_answer(pipe, [5, 6, 7], [1, 2])
         assert pipe.history.answers == 0
     assert parse_args([]).no_history_drafts is False
     assert parse_args(["--no-history-drafts"]).no_history_drafts is True
@@ -124,8 +125,9 @@ def test_the_api_learns_the_answers_it_saves(tmp_path: Path, tiny_presets: dict[
         with serving(host, store=store) as url:
             reply = OpenAI(base_url=url, api_key="x", max_retries=0).chat.completions.create(
                 model=host.pipeline.preset.name, messages=messages, max_tokens=6)
-        assert host.pipeline.history.answers == 1
-        assert host.pipeline.history.tokens == reply.usage.completion_tokens
+        assert host.pipeline.history.answers == 1  # after the end of its prompt
+        assert host.pipeline.history.tokens == reply.usage.completion_tokens + min(
+            LEAD_TOKENS, reply.usage.prompt_tokens)
 
 
 def test_export_maps_suffix_to_vllms_method_and_keys() -> None:
@@ -200,4 +202,5 @@ def test_the_app_learns_the_answers_it_saves(tiny: object, tmp_path: Path) -> No
             assert pipe.history.answers == learnt
         (answer,) = [m for s in store.list() for m in store.get(s.id).messages
                      if m.role == "assistant"][-1:]
-        assert pipe.history.tokens == answer.stats["new_tokens"] > 0  # its own tokens
+        # its own tokens, after the end of its prompt
+        assert pipe.history.tokens == answer.stats["new_tokens"] + LEAD_TOKENS

@@ -279,7 +279,8 @@ class _Delivery:
     the consumer; ``close`` ends the saved answer."""
 
     def __init__(self, link: _Link, saved: SavedRequest | None,
-                 learn: Callable[[Pipeline, list[int]], None] = lambda *_: None) -> None:
+                 learn: Callable[[Pipeline, list[int], list[int]], None] = lambda *_: None
+                 ) -> None:
         """``learn``: given the saved answer's tokens at its end (``remember_answer``)."""
         self.link, self.saved, self.learn = link, saved, learn
         self.start = time.perf_counter()
@@ -300,7 +301,8 @@ class _Delivery:
         if self.saved is not None:
             self.saved.finish(self.finish, answer_summary(self.link.job.method,
                                                           self.link.job.stats))
-            self.learn(self.link.job.pipeline, self.token_ids)
+            job = self.link.job
+            self.learn(job.pipeline, self.token_ids, job.request.prompt_ids)
 
 
 def _put_all(queue: asyncio.Queue, items: list[object]) -> None:

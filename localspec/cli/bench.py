@@ -257,7 +257,7 @@ def run_bench(
                                     max_new_tokens, reference))
                 runs.setdefault((i, method), []).append(run)
                 if history is not None and method == "none":
-                    history.answered(i, run["token_ids"])
+                    history.answered(i, prompt_ids, run["token_ids"])
                 log(f"[{rep + 1}/{repeats}] prompt {i + 1}/{len(encoded)} {method:12s} "
                     f"{run['tokens_per_second']:6.2f} tok/s  {len(run['token_ids'])} tokens")
                 if via_api is not None:  # the same run through the API, right after

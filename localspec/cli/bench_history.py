@@ -57,16 +57,19 @@ class BenchHistory:
         texts = history_texts(path) if path is not None else []
         self.base: list[list[int]] = (
             pipe.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else [])
-        self.answers: dict[int, list[int]] = {}  # prompt -> its plain answer (session)
+        # prompt -> its ids and its plain answer's (session)
+        self.answers: dict[int, tuple[list[int], list[int]]] = {}
 
     def before(self, prompt: int) -> None:
         """Set the history prompt ``prompt`` runs with (its methods and repeats alike)."""
-        earlier = [self.answers[i] for i in range(prompt) if i in self.answers]
-        self.pipe.history.replace([*self.base, *(earlier if self.session else [])])
+        earlier = [self.answers[i] for i in range(prompt) if i in self.answers and self.session]
+        self.pipe.history.replace([*self.base, *(answer for _, answer in earlier)],
+                                  [*([()] * len(self.base)), *(ids for ids, _ in earlier)])
 
-    def answered(self, prompt: int, token_ids: list[int]) -> None:
-        """Prompt ``prompt``'s plain answer (its first): the session's later prompts learn it."""
-        self.answers.setdefault(prompt, list(token_ids))
+    def answered(self, prompt: int, prompt_ids: list[int], token_ids: list[int]) -> None:
+        """Prompt ``prompt``'s plain answer (its first): the session's later prompts learn it,
+        after the end of its prompt as the app would."""
+        self.answers.setdefault(prompt, (list(prompt_ids), list(token_ids)))
 
     def describe(self) -> str:
         """One line for the report: what the history held."""

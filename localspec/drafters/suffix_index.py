@@ -43,6 +43,7 @@ MAX_TOKEN_ID = BOUNDARY - 1  # larger ids are never indexed (no vocabulary is th
 MAX_DEPTH = MAX_LOOKUP_NGRAM  # the longest match measured, the deepest continuation read
 MAX_CANDIDATES = 256  # occurrences measured per part of an index, the most recent first
 FRESH_TOKENS = 65_536  # a history's newest tokens scanned, not sorted, up to this many
+LEAD_TOKENS = 16  # the prompt's last tokens kept before an answer in the history
 
 
 @dataclass(frozen=True)
@@ -239,16 +240,24 @@ class AnswerHistory:
     def answers(self) -> int:
         return len(self._answers)
 
-    def add(self, answer: Sequence[int] | np.ndarray) -> None:
-        """Learn one finished answer's tokens; evict the oldest answers beyond the cap."""
-        self.extend([answer])
+    def add(self, answer: Sequence[int] | np.ndarray, lead: Sequence[int] = ()) -> None:
+        """Learn one finished answer's tokens, after the last ``LEAD_TOKENS`` of its prompt
+        (``lead``); evict the oldest answers beyond the cap."""
+        self.extend([answer], [lead])
 
-    def extend(self, answers: Iterable[Sequence[int] | np.ndarray]) -> None:
-        """Learn answers, oldest first (the store's history at start, in one sort). The sort
-        that folds new answers into the index runs outside the query lock: drafting goes on
-        meanwhile (one writer at a time)."""
-        kept = [a for a in (np.asarray(a, dtype=np.int64) for a in answers)
-                if 0 < a.size <= self.cap_tokens]
+    def extend(self, answers: Iterable[Sequence[int] | np.ndarray],
+               leads: Iterable[Sequence[int]] | None = None) -> None:
+        """Learn answers, oldest first (the store's history at start, in one sort), each after
+        the last ``LEAD_TOKENS`` of its prompt where ``leads`` gives them: the end of the
+        question and the chat template's turn header, so that the same question asked again
+        matches them and its answer is drafted from its first token on. The sort that folds
+        new answers into the index runs outside the query lock: drafting goes on meanwhile
+        (one writer at a time)."""
+        answers = [np.asarray(a, dtype=np.int64) for a in answers]
+        leads = [()] * len(answers) if leads is None else list(leads)
+        kept = [np.concatenate([np.asarray(list(lead)[-LEAD_TOKENS:], dtype=np.int64), a])
+                for a, lead in zip(answers, leads, strict=True) if a.size]
+        kept = [a for a in kept if a.size <= self.cap_tokens]
         with self._write_lock:
             with self._lock:
                 fresh = self._index.fresh_tokens
@@ -283,14 +292,15 @@ class AnswerHistory:
         index.sort()
         self._index, self._answers = index, spans
 
-    def replace(self, answers: Iterable[Sequence[int] | np.ndarray]) -> None:
+    def replace(self, answers: Iterable[Sequence[int] | np.ndarray],
+                leads: Iterable[Sequence[int]] | None = None) -> None:
         """Forget every answer, then learn ``answers`` (bench: the same history each run)."""
         with self._write_lock, self._lock:
             self._index = TokenIndex(self._max_candidates, self._fresh_tokens)
             self._answers.clear()
             self._tokens = 0
             self.version += 1
-        self.extend(answers)
+        self.extend(answers, leads)
 
     def match(self, tail: np.ndarray, depth: int) -> Match:
         """``TokenIndex.match`` over the answers held."""
