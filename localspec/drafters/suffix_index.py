@@ -258,6 +258,11 @@ class AnswerHistory:
         kept = [np.concatenate([np.asarray(list(lead)[-LEAD_TOKENS:], dtype=np.int64), a])
                 for a, lead in zip(answers, leads, strict=True) if a.size]
         kept = [a for a in kept if a.size <= self.cap_tokens]
+        total, first = 0, len(kept)  # only the newest that fit: the rest would go at once
+        while first > 0 and total + kept[first - 1].size <= self.cap_tokens:
+            first -= 1
+            total += kept[first].size
+        kept = kept[first:]
         with self._write_lock:
             with self._lock:
                 fresh = self._index.fresh_tokens
