@@ -22,6 +22,7 @@ Nothing here renders or knows Gradio.
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -86,6 +87,7 @@ class ModelHost:
         self._warm_up = warm_up
         self._audit = audit  # hash the cached files in full after a load (background)
         self.history = history
+        self._history_thread: threading.Thread | None = None
         self._state_lock = threading.Lock()
         self.generation_lock = threading.Lock()
         self._pipeline: Pipeline | None = None
@@ -183,17 +185,36 @@ class ModelHost:
         return True
 
     def _read_history(self, pipeline: Pipeline) -> None:
-        """Teach a new pipeline the saved answers (not one that kept its predecessor's)."""
-        if (self.history is None or pipeline.history.answers
+        """Teach a new pipeline the saved answers, in the background: encoding 10,000 of them
+        takes seconds, and the models are ready meanwhile (the suffix drafter drafts from the
+        request alone until they are in). Not a history already read (a predecessor's on the
+        same target, which the pipeline kept)."""
+        if (self.history is None or pipeline.history.seeded
                 or pipeline.answer_history() is None):
             return
-        self._progress("reading your earlier answers (history drafts)", 1.0)
+        pipeline.history.seeded = True
+        self._history_thread = threading.Thread(
+            target=self._encode_history, args=(pipeline, self.history), daemon=True,
+            name="history-drafts")
+        self._history_thread.start()
+
+    @staticmethod
+    def _encode_history(pipeline: Pipeline, store: ChatStore) -> None:
         try:
-            texts = self.history.answer_texts(HISTORY_DRAFT_TOKENS * HISTORY_CHARS_PER_TOKEN)
+            texts = store.answer_texts(HISTORY_DRAFT_TOKENS * HISTORY_CHARS_PER_TOKEN)
         except ChatStoreError as exc:
             logger.warning("history drafts: the saved answers could not be read: %s", exc)
             return
-        pipeline.remember(texts)
+        if texts:  # a tokenizer of its own: the engine's encodes and decodes meanwhile
+            tokenizer = copy.deepcopy(pipeline.tokenizer)
+            pipeline.remember(tokenizer(texts, add_special_tokens=False)["input_ids"])
+
+    def wait_history(self, timeout: float) -> bool:
+        """Block up to ``timeout`` s while the saved answers are read; True once they are."""
+        thread = self._history_thread
+        if thread is not None:
+            thread.join(timeout)
+        return thread is None or not thread.is_alive()
 
     def remember_answer(self, pipeline: Pipeline, token_ids: list[int],
                         prompt_ids: list[int]) -> None:

@@ -197,15 +197,13 @@ class Pipeline:
         preset turns history drafts off."""
         return self.history if self.preset.localspec.history_drafts else None
 
-    def remember(self, answers: list[list[int]] | list[str],
-                 prompts: list[list[int]] | None = None) -> int:
-        """Learn finished answers (token ids, or texts encoded here), oldest first, each after
-        the end of its prompt where ``prompts`` gives them, unless the preset turns history
-        drafts off; how many were taken."""
+    def remember(self, answers: list[list[int]], prompts: list[list[int]] | None = None
+                 ) -> int:
+        """Learn finished answers' tokens, oldest first, each after the end of its prompt
+        where ``prompts`` gives them, unless the preset turns history drafts off; how many
+        were taken."""
         if not self.preset.localspec.history_drafts or not answers:
             return 0
-        if isinstance(answers[0], str):
-            answers = self.tokenizer(list(answers), add_special_tokens=False)["input_ids"]
         self.history.extend(answers, prompts)
         return len(answers)
 

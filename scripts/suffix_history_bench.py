@@ -12,8 +12,9 @@ at start, and then:
 - step: ``outlook`` + ``propose`` of a ``SuffixDrafter`` over a 2,000-token context that grows by
   one token a step, with and without the history (median and 99th percentile, milliseconds).
 
-Tokenizing the saved answers' texts (done once at start by the target's tokenizer) is not
-measured here. No model, no torch forward: it runs in seconds.
+With ``--tokenizer FOLDER`` it also times what the app does first at start: encoding the
+saved answers' texts with the target's tokenizer (``--answers`` chunks of ~1,200 characters of
+the package's held-out Python and prose texts). No model, no torch forward: it runs in seconds.
 
     PYTHONPATH=. python3 scripts/suffix_history_bench.py
 """
@@ -24,6 +25,7 @@ import argparse
 import statistics
 import time
 import tracemalloc
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -68,6 +70,20 @@ def step_costs(drafter: SuffixDrafter, context: list[int], steps: int) -> list[f
     return costs
 
 
+def time_tokenizer(folder: str, count: int) -> None:
+    """Seconds to encode ``count`` answer-sized texts in one batch, as the app does."""
+    from transformers import AutoTokenizer
+
+    quality = Path(__file__).resolve().parent.parent / "localspec" / "data" / "quality"
+    text = "".join(p.read_text(encoding="utf-8") for p in sorted(quality.glob("*.txt")))
+    texts = [text[(i * 1200) % (len(text) - 1200):][:1200] for i in range(count)]
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    start = time.perf_counter()
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    print(f"tokenize: {count:,} texts ({sum(map(len, ids)):,} tokens) in "
+          f"{time.perf_counter() - start:.2f} s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--answers", type=int, default=10_000)
@@ -77,7 +93,10 @@ def main() -> None:
                              f"{HISTORY_DRAFT_TOKENS:,})")
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--adds", type=int, default=300)
+    parser.add_argument("--tokenizer", default=None, help="a tokenizer folder to time too")
     args = parser.parse_args()
+    if args.tokenizer:
+        time_tokenizer(args.tokenizer, args.answers)
 
     answers = synthetic_answers(args.answers + args.adds, args.tokens)
     history_part, later = answers[: args.answers], answers[args.answers :]

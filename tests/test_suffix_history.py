@@ -50,12 +50,14 @@ def test_the_store_gives_complete_live_answers_oldest_first(tmp_path: Path) -> N
 
 
 def test_a_preset_load_reads_the_saved_answers(tmp_path: Path, presets: dict[str, str]) -> None:
-    """The host hands the new pipeline the store's answers in the target's tokens; a saved
-    answer that finishes is learnt too; a host without a store reads and learns nothing."""
+    """The host hands the new pipeline the store's answers in the target's tokens (in the
+    background); a saved answer that finishes is learnt too; a switch to a preset on the same
+    target keeps them; a host without a store reads and learns nothing."""
     with ChatStore(tmp_path / "chats.db") as store:
         fill(store)
         host = ModelHost(warm_up=False, audit=False, history=store)
         assert host.load(presets["ngram"]), host.status().error
+        assert host.wait_history(30)  # read in the background
         pipe = host.pipeline
         assert (pipe.history.answers, pipe.answer_history()) == (2, pipe.history)
         ids = pipe.tokenizer(ANSWERS[0], add_special_tokens=False)["input_ids"]
@@ -66,6 +68,8 @@ def test_a_preset_load_reads_the_saved_answers(tmp_path: Path, presets: dict[str
         assert drafter.propose(ids[:6], 4, *greedy()).tokens == ids[6:10]  # from the history
         host.remember_answer(pipe, [5, 6, 7], [1, 2])
         assert pipe.history.answers == 3
+        assert host.load(presets["draft"]) and host.wait_history(30)  # same target: kept,
+        assert host.pipeline.history is pipe.history and pipe.history.answers == 3  # not re-read
         none = ModelHost(warm_up=False, audit=False)
         assert none.load(presets["ngram"]), none.status().error
         none.remember_answer(none.pipeline, [5, 6, 7], [1, 2])
@@ -90,6 +94,7 @@ def test_history_drafts_off(tmp_path: Path, presets: dict[str, str]) -> None:
         fill(store)
         host = ModelHost(warm_up=False, audit=False, history=store)
         assert host.load(str(off)), host.status().error
+        assert host.wait_history(30)
         pipe = host.pipeline
         assert pipe.answer_history() is None and pipe.history.answers == 0
         assert pipe.engine("suffix").drafters[0].history is None

@@ -230,6 +230,7 @@ class AnswerHistory:
         self._answers: deque[tuple[int, int]] = deque()  # (start, end) in the index, oldest first
         self._tokens = 0
         self.version = 0  # grows with every change: a drafter's cached match is stale then
+        self.seeded = False  # the saved conversations were (or are being) read into it
 
     @property
     def tokens(self) -> int:
