@@ -92,7 +92,8 @@ def chain_first(nodes: list[tuple[int, int, float]]) -> Proposal:
         chain.append(at)
     if len(chain) == len(nodes):
         return Proposal([nodes[i][0] for i in chain], None, tuple(1.0 for _ in chain))
-    order = chain + [i for i in range(len(nodes)) if i not in set(chain)]
+    on_chain = set(chain)
+    order = chain + [i for i in range(len(nodes)) if i not in on_chain]
     place = {node: row + 1 for row, node in enumerate(order)}  # feed rows: 0 is pending
     place[-1] = 0
     return Proposal([nodes[i][0] for i in order], None, tuple(1.0 for _ in order),
