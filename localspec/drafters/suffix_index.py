@@ -18,10 +18,10 @@ it with the context's tail in one gather; the longest win. The candidate cap bou
 cost whatever the history's size; it can miss an old long match of a very common trigram (the
 most recent occurrences are searched), never return a wrong one.
 
-``AnswerHistory`` is the global index: earlier answers in a ``TokenIndex``, at most
-``cap_tokens`` tokens, the oldest answers evicted first (at once from every query, from memory
-at the next compaction); thread-safe, since answers finish on other threads than the ones that
-draft. Neither knows models, tokenizers, files or the conversations' store: the pipeline fills
+``AnswerHistory`` is the global index: earlier answers in a ``TokenIndex``, each after the last
+``LEAD_TOKENS`` tokens of its prompt where they are known, at most ``cap_tokens`` tokens, the
+oldest answers evicted first (at once from every query, from memory at the next compaction);
+thread-safe, since answers finish on other threads than the ones that draft. Neither knows models, tokenizers, files or the conversations' store: the pipeline fills
 the history, the drafter reads it.
 """
 
@@ -239,6 +239,7 @@ class AnswerHistory:
 
     @property
     def answers(self) -> int:
+        """How many answers it holds."""
         return len(self._answers)
 
     def add(self, answer: Sequence[int] | np.ndarray, lead: Sequence[int] = ()) -> None:
