@@ -21,8 +21,9 @@ most recent occurrences are searched), never return a wrong one.
 ``AnswerHistory`` is the global index: earlier answers in a ``TokenIndex``, each after the last
 ``LEAD_TOKENS`` tokens of its prompt where they are known, at most ``cap_tokens`` tokens, the
 oldest answers evicted first (at once from every query, from memory at the next compaction);
-thread-safe, since answers finish on other threads than the ones that draft. Neither knows models, tokenizers, files or the conversations' store: the pipeline fills
-the history, the drafter reads it.
+thread-safe, since answers finish on other threads than the ones that draft. Neither knows
+models, tokenizers, files or the conversations' store: the pipeline fills the history, the
+drafter reads it.
 """
 
 from __future__ import annotations
