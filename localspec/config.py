@@ -116,7 +116,9 @@ def models_root() -> Path:
 MAX_SPECULATIVE_TOKENS = 32  # the most drafts one target pass verifies
 MAX_TREE_WIDTH = 8  # the most candidates for a first draft token (a static draft tree)
 DEFAULT_CONTEXT = 4096  # KV tokens a GPU preset reserves: its memory estimate, cuda_graphs' cache
-MAX_LOOKUP_NGRAM = 64
+MAX_LOOKUP_NGRAM = 64  # also the longest match the suffix drafter measures
+# Earlier answers' tokens the suffix drafter keeps (~16 bytes a token), the oldest evicted first
+HISTORY_DRAFT_TOKENS = 2_000_000
 MAX_NEW_TOKENS = 32768
 MAX_TEMPERATURE = 100.0
 MAX_TOP_K = 1_000_000
@@ -150,6 +152,7 @@ TopK = Annotated[int, Field(ge=0, le=MAX_TOP_K)]
 NewTokens = Annotated[int, Field(ge=1, le=MAX_NEW_TOKENS)]
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
 Probability01 = Annotated[float, Field(ge=0.0, lt=1.0, allow_inf_nan=False)]
+SpecFactor = Annotated[float, Field(gt=0.0, le=MAX_SPECULATIVE_TOKENS, allow_inf_nan=False)]
 NonEmpty = Annotated[str, Field(min_length=1)]
 
 _STRICT = ConfigDict(extra="forbid", frozen=True, strict=True)
@@ -194,6 +197,10 @@ class SpeculativeConfig(BaseModel):
     prompt_lookup_max: LookupN = 4
     prompt_lookup_min: LookupN = 1
     quantization: Quantization = "none"  # of the draft model
+    # method "suffix": vLLM's keys and defaults (drafters/suffix.py says what they do)
+    suffix_decoding_max_tree_depth: LookupN = 24
+    suffix_decoding_max_spec_factor: SpecFactor = 1.0
+    suffix_decoding_min_token_prob: Probability01 = 0.1
 
     @model_validator(mode="after")
     def _consistent(self) -> SpeculativeConfig:
@@ -240,6 +247,7 @@ class LocalSpecConfig(BaseModel):
     # CUDA only, experimental: static KV caches of DEFAULT_CONTEXT tokens and every forward of
     # up to 32 tokens (target and draft) replayed as a CUDA graph, compiled once per width
     cuda_graphs: bool = False
+    history_drafts: bool = True  # the suffix drafter reads earlier answers too (saved chats)
 
 
 @dataclass(frozen=True)
@@ -324,10 +332,8 @@ _TABLES = ("target", "speculative_config", "sampling", "localspec")
 
 
 def _where(loc: tuple[Any, ...]) -> str:
-    if not loc:
-        return ""
-    if loc[0] in _TABLES:
-        return f"[{loc[0]}]" + ("".join(f" {part}" for part in loc[1:]))
+    if loc and loc[0] in _TABLES:
+        return f"[{loc[0]}]" + "".join(f" {part}" for part in loc[1:])
     return " ".join(str(part) for part in loc)
 
 

@@ -1,8 +1,8 @@
 """A method resolved into the drafters its engine runs: once, before any model is loaded.
 
 A method name ("draft_model", "auto", ...) says what to run; which drafters that is depends on
-the preset. "auto" runs ``[localspec] drafters`` (by default n-gram lookup and the preset's
-model or head), a method that drafts with a model or head runs behind lookup with
+the preset. "auto" runs ``[localspec] drafters`` (by default n-gram lookup, the suffix drafter
+and the preset's model or head), a method that drafts with a model or head runs behind lookup with
 ``[localspec] lookup_first``, plain decoding runs none. ``Preset.drafter_set`` resolves a
 method here once, checking that the preset meets each member's needs, and everything after it
 takes the ``DrafterSet``: the pipeline builds each member through the registry and hands the
@@ -86,13 +86,13 @@ def members_of(method: str, preset_method: str, has_model: bool, listed: tuple[s
                lookup_first: bool) -> tuple[str, ...]:
     """The drafters an engine for ``method`` runs in a preset of ``preset_method`` (one chosen
     each step when several): "auto"'s members are ``listed`` ([localspec] drafters), else n-gram
-    lookup and, when [speculative_config] model names one (``has_model``), the preset's model
-    or head method or else a draft model; a method that needs a model or head runs behind
-    lookup with ``lookup_first``; plain decoding has none."""
+    lookup, the suffix drafter and, when [speculative_config] model names one
+    (``has_model``), the preset's model or head method or else a draft model; a method that
+    needs a model or head runs behind lookup with ``lookup_first``; plain decoding has none."""
     if method == AUTO:
         needs = drafter_spec(preset_method).needs
         own = preset_method if needs != "nothing" else "draft_model"
-        return listed or (("ngram", own) if has_model else ("ngram",))
+        return listed or (("ngram", "suffix", own) if has_model else ("ngram", "suffix"))
     spec = drafter_spec(method)
     if not spec.speculative:
         return ()

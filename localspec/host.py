@@ -22,6 +22,7 @@ Nothing here renders or knows Gradio.
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -29,7 +30,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
-from localspec.errors import LocalSpecError
+from localspec.chats.store import ChatStore
+from localspec.config import HISTORY_DRAFT_TOKENS
+from localspec.errors import ChatStoreError, LocalSpecError
 from localspec.models.cache import Progress
 from localspec.models.loading import audit_cache
 from localspec.pipeline import Pipeline
@@ -40,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 Loader = Callable[[Preset, "Pipeline | None", Progress], Pipeline]
 T = TypeVar("T")
+HISTORY_CHARS_PER_TOKEN = 4  # the saved answers read at start: ~the history's cap in tokens
 
 
 def assemble_pipeline(preset: Preset, previous: Pipeline | None, progress: Progress) -> Pipeline:
@@ -71,14 +75,19 @@ class ModelHost:
     """Holds the active Pipeline; loads presets in a background thread."""
 
     def __init__(self, loader: Loader = assemble_pipeline, warm_up: bool = True,
-                 audit: bool = True, parallel: int = 1) -> None:
+                 audit: bool = True, parallel: int = 1, history: ChatStore | None = None
+                 ) -> None:
         """``parallel`` > 1: the API's requests run in that many slots whose target passes
-        are shared (``scheduler``); 1: one generation at a time, as the app's own."""
+        are shared (``scheduler``); 1: one generation at a time, as the app's own.
+        ``history``: the saved conversations whose answers the suffix drafter learns, read
+        when a preset loads and added to as saved answers finish (None: no history)."""
         if parallel < 1:
             raise ValueError(f"parallel must be >= 1, got {parallel}")
         self._loader = loader
         self._warm_up = warm_up
         self._audit = audit  # hash the cached files in full after a load (background)
+        self.history = history
+        self._history_thread: threading.Thread | None = None
         self._state_lock = threading.Lock()
         self.generation_lock = threading.Lock()
         self._pipeline: Pipeline | None = None
@@ -147,6 +156,7 @@ class ModelHost:
             self._loading, self._message, self._fraction = key, "reading preset", 0.0
         try:
             pipeline = self._loader(load_preset(key), self._pipeline, self._progress)
+            self._read_history(pipeline)
             # The warm-up and the swap wait for a running generation: the new pipeline may
             # share the old one's models, which must not run two passes at once.
             with self.generation_lock:
@@ -173,6 +183,45 @@ class ModelHost:
                 self._loading = None
                 self._ready.notify_all()
         return True
+
+    def _read_history(self, pipeline: Pipeline) -> None:
+        """Teach a new pipeline the saved answers, in the background: encoding 10,000 of them
+        takes seconds, and the models are ready meanwhile (the suffix drafter drafts from the
+        request alone until they are in). Not a history already read (a predecessor's on the
+        same target, which the pipeline kept)."""
+        if (self.history is None or pipeline.history.seeded
+                or pipeline.answer_history() is None):
+            return
+        pipeline.history.seeded = True
+        self._history_thread = threading.Thread(
+            target=self._encode_history, args=(pipeline, self.history), daemon=True,
+            name="history-drafts")
+        self._history_thread.start()
+
+    @staticmethod
+    def _encode_history(pipeline: Pipeline, store: ChatStore) -> None:
+        try:
+            texts = store.answer_texts(HISTORY_DRAFT_TOKENS * HISTORY_CHARS_PER_TOKEN)
+        except ChatStoreError as exc:
+            logger.warning("history drafts: the saved answers could not be read: %s", exc)
+            return
+        if texts:  # a tokenizer of its own: the engine's encodes and decodes meanwhile
+            tokenizer = copy.deepcopy(pipeline.tokenizer)
+            pipeline.remember(tokenizer(texts, add_special_tokens=False)["input_ids"])
+
+    def wait_history(self, timeout: float) -> bool:
+        """Block up to ``timeout`` s while the saved answers are read; True once they are."""
+        thread = self._history_thread
+        if thread is not None:
+            thread.join(timeout)
+        return thread is None or not thread.is_alive()
+
+    def remember_answer(self, pipeline: Pipeline, token_ids: list[int],
+                        prompt_ids: list[int]) -> None:
+        """A saved answer to ``prompt_ids`` has finished: ``pipeline``'s history learns it
+        (with a history)."""
+        if self.history is not None and token_ids:
+            pipeline.remember([token_ids], [prompt_ids])
 
     def _audit_cache(self, pipeline: Pipeline) -> None:
         """Hash the loaded models' cached files in full, in the background (the start-up check

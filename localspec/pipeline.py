@@ -27,6 +27,7 @@ from transformers import PreTrainedTokenizerBase
 
 from localspec.config import (
     DEFAULT_CONTEXT,
+    HISTORY_DRAFT_TOKENS,
     ModelSpec,
     Preset,
     RequestSettings,
@@ -34,6 +35,7 @@ from localspec.config import (
 )
 from localspec.drafter_set import DrafterSet
 from localspec.drafters.base import BuildContext
+from localspec.drafters.suffix_index import AnswerHistory
 from localspec.engine.drafter import Drafter
 from localspec.engine.engine import GenerationRequest, SpeculativeEngine, StepEvent
 from localspec.engine.grammar import CompiledGrammar, FormatError, GrammarCache, grammar_vocab
@@ -81,12 +83,16 @@ class Pipeline:
     _runner: ModelRunner | None = None
     _grammars: GrammarCache | None = None
     _slots: dict[int, PipelineSlot] = field(default_factory=dict)
+    # the user's earlier answers, in the target's tokens (the suffix drafter's global index):
+    # empty until the caller that owns conversations fills it (``remember``)
+    history: AnswerHistory = field(default_factory=lambda: AnswerHistory(HISTORY_DRAFT_TOKENS))
 
     @classmethod
     def load(cls, preset: Preset, progress: Progress | None = None, load_draft: bool = True,
              previous: Pipeline | None = None) -> Pipeline:
         """Load the preset's models, reusing ``previous``'s target/draft where the spec matches
-        (switching only the drafter must not reload a 1.5B target)."""
+        (switching only the drafter must not reload a 1.5B target), and its history of
+        answers with its target."""
         kwargs = {} if progress is None else {"progress": progress}
         loaded: dict[ModelSpec, LoadedModel] = {}
         if previous is not None:
@@ -105,7 +111,10 @@ class Pipeline:
         if draft_spec is not None and load_draft:
             draft = get(draft_spec, share_tokenizer=target)
             check_same_tokenizer(target, draft)
-        return cls(preset, target, draft)
+        pipe = cls(preset, target, draft)
+        if previous is not None and previous.target is target:  # same tokens: same history
+            pipe.history = previous.history
+        return pipe
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
@@ -182,6 +191,21 @@ class Pipeline:
         runner = draft.runner(vocab_rows=vocab_rows, **self._graph_options(draft))
         runner.compile_graphs()
         return runner
+
+    def answer_history(self) -> AnswerHistory | None:
+        """The earlier answers a history drafter reads (``BuildContext``); None when the
+        preset turns history drafts off."""
+        return self.history if self.preset.localspec.history_drafts else None
+
+    def remember(self, answers: list[list[int]], prompts: list[list[int]] | None = None
+                 ) -> int:
+        """Learn finished answers' tokens, oldest first, each after the end of its prompt
+        where ``prompts`` gives them, unless the preset turns history drafts off; how many
+        were taken."""
+        if not self.preset.localspec.history_drafts or not answers:
+            return 0
+        self.history.extend(answers, prompts)
+        return len(answers)
 
     def _loaded_draft(self) -> LoadedModel:
         if self.draft is None:
@@ -317,6 +341,9 @@ class PipelineSlot:
 
     def draft_runner(self, vocab_rows: torch.Tensor | None = None) -> ModelRunner:
         return self.pipeline.draft_runner(vocab_rows)
+
+    def answer_history(self) -> AnswerHistory | None:
+        return self.pipeline.answer_history()  # one history for every slot
 
     def engine(self, method: str | DrafterSet | None = None) -> SpeculativeEngine:
         """This slot's engine for ``method`` (as ``Pipeline.engine``), made when first asked."""

@@ -36,6 +36,8 @@ SLOW_TESTS = frozenset({
     "test_hub_download.py::test_an_interrupted_download_resumes_in_the_next_add",
     "test_memory.py::test_w8a8_linear_memory_flat_over_many_prompt_lengths",
     "test_runner.py::test_compile_graphs_compiles_every_bucket_before_the_first_answer",
+    "test_suffix.py::test_sampled_first_two_tokens_follow_the_target",
+    "test_suffix.py::test_the_sampling_check_has_power",
     "test_runner.py::test_graphed_runner_pads_to_its_buckets_and_equals_eager",
     "test_train_drafter.py::test_heads_trained_on_a_predictable_target_are_accepted[eagle3-cycle]",
     "test_train_drafter.py::test_heads_trained_on_a_predictable_target_are_accepted"

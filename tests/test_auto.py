@@ -268,13 +268,13 @@ def preset(method: str = "auto", model: str | None = "some/draft",
 
 
 def test_auto_members_default_and_listed() -> None:
-    assert parse_preset(preset()).drafter_set().members == ("ngram", "draft_model")
-    assert parse_preset(preset(model=None)).drafter_set().members == ("ngram",)
+    assert parse_preset(preset()).drafter_set().members == ("ngram", "suffix", "draft_model")
+    assert parse_preset(preset(model=None)).drafter_set().members == ("ngram", "suffix")
     head = parse_preset(preset(drafters=["eagle3", "ngram"]))
     assert head.drafter_set().members == ("eagle3", "ngram") and head.draft_spec() is None
     assert parse_preset(preset()).draft_spec() is not None
     eagle = parse_preset(preset("eagle3"))
-    assert eagle.drafter_set("auto").members == ("ngram", "eagle3")
+    assert eagle.drafter_set("auto").members == ("ngram", "suffix", "eagle3")
     lookup = parse_preset(preset("draft_model", lookup_first=True))
     assert lookup.drafter_set().members == ("ngram", "draft_model")
     assert parse_preset(preset("none", model=None)).drafter_set().members == ()

@@ -71,7 +71,7 @@ def test_bench_api_table_has_a_row_per_method(capsys: pytest.CaptureFixture[str]
     assert "hf-lookup" not in out
     rows = {line.split(" via API")[0]: line.split(" via API")[1].split()
             for line in out.splitlines() if " via API " in line}
-    assert list(rows) == ["none", "ngram"]
+    assert list(rows) == ["none", "ngram", "suffix", "auto"]
     for tok_s, ratio, lowest, identical in rows.values():
         assert float(tok_s) > 0 and ratio.endswith("x") and float(ratio[:-1]) > 0
         assert float(lowest[:-1]) > 0 and identical == "yes"
@@ -121,7 +121,7 @@ def test_bench_api_generates_on_the_engine_thread(
     code, _, err = run_cli(capsys, "bench", "--preset", presets["ngram"], "--prompts",
                            prompts_file, "--max-new-tokens", "4", *(["--api"] if api else []))
     assert code == 0, err
-    assert len(threads) == 1 + 2 + 2 * 2  # the load, the warm-ups, 2 prompts x 2 methods
+    assert len(threads) == 1 + 4 + 2 * 4  # the load, the warm-ups, 2 prompts x 4 methods
     if api:
         loader, runs = threads[0], threads[1:]
         assert loader is not threading.main_thread() and not loader.is_alive()

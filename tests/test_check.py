@@ -127,7 +127,7 @@ def test_run_checks_passes_and_its_negative_control_fails(
         pipe: Pipeline, monkeypatch: pytest.MonkeyPatch) -> None:
     report = run_checks(pipe, PROMPTS, max_new_tokens=6)
     assert report["passed"], report
-    assert {r["method"] for r in report["greedy"]} == {"ngram", "draft_model", "auto"}
+    assert {r["method"] for r in report["greedy"]} == {"ngram", "suffix", "draft_model", "auto"}
     assert {r["drafter"] for r in report["sampling"]} == {"ngram (one-hot q)", "draft_model"}
     monkeypatch.setattr(verify_module, "residual_distribution", wrong_residual)
     bad = check_sampling(pipe, PROMPTS)

@@ -163,7 +163,8 @@ def test_bench_and_verify_max_new_tokens_checked_first(
 
 
 def test_default_methods_follow_the_preset(presets: dict[str, str]) -> None:
-    assert default_methods(load_preset(presets["ngram"])) == ["none", "ngram", "hf-lookup"]
+    assert default_methods(load_preset(presets["ngram"])) == ["none", "ngram", "suffix", "auto",
+                                                              "hf-lookup"]
     with_draft = load_preset(presets["draft"])
     assert "draft_model" in default_methods(with_draft)
     assert check_methods(with_draft, ["ngram", "none", "ngram", "hf-assisted"]) == [

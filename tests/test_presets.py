@@ -165,7 +165,7 @@ def test_integer_accepted_for_float(tmp_path: Path) -> None:
          ["[sampling] temperature = 'hot'", "valid number"]),
         (full(method="lookahead"),
          ["method = 'lookahead' is not one of",
-          "'none', 'draft_model', 'ngram', 'eagle3', 'eagle', 'medusa' or 'auto'"]),
+          "'none', 'draft_model', 'ngram', 'suffix', 'eagle3', 'eagle', 'medusa' or 'auto'"]),
         (full(method="eagle3", model=None), ["method 'eagle3' needs 'model' (the draft head"]),
         (full(model=None), ["method 'draft_model' needs 'model'"]),
         (full(k=0), ["num_speculative_tokens = 0", "greater than or equal to 1"]),

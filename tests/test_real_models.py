@@ -311,7 +311,7 @@ def test_cli_verify_passes_on_real_model(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert report["passed"] is True
-    assert {r["method"] for r in report["greedy"]} == {"ngram"}
+    assert {r["method"] for r in report["greedy"]} == {"ngram", "suffix", "auto"}
     # 2 prompts x 3 positions, one-hot q only (the preset has no draft model): every row's
     # chi-square p-value clears the threshold (test_sampling_check_rejects_wrong_distributions
     # shows the same check failing a wrong sampler on real rows).

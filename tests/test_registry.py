@@ -101,10 +101,12 @@ def head_preset(folders: dict[str, Path], method: str = "toy-head") -> dict:
 
 def test_the_shipped_methods_and_their_labels() -> None:
     """The app's method switch offers what it always has, under the same labels."""
-    assert method_names() == ("none", "draft_model", "ngram", "eagle3", "eagle", "medusa", "auto")
+    assert method_names() == ("none", "draft_model", "ngram", "suffix", "eagle3", "eagle",
+                              "medusa", "auto")
     assert method_choices() == [
         ("preset's method", "preset"), ("none (plain decoding)", "none"),
-        ("draft model", "draft_model"), ("n-gram lookup", "ngram"), ("EAGLE-3 head", "eagle3"),
+        ("draft model", "draft_model"), ("n-gram lookup", "ngram"),
+        ("suffix tree (this chat and your history)", "suffix"), ("EAGLE-3 head", "eagle3"),
         ("EAGLE head", "eagle"), ("Medusa heads", "medusa"),
         ("Auto: best drafter each step", "auto")]
     assert methods_needing("head") == registry.trainable_methods() == ("eagle3", "eagle", "medusa")
@@ -208,7 +210,7 @@ def test_a_registered_drafter_runs_with_the_plain_greedy_output(
     assert len(plain.token_ids) == 24
     assert toy.token_ids == plain.token_ids and toy.text == plain.text
     assert toy.stats.accepted > 0 and toy.stats.target_forward_passes < 24
-    assert greedy_methods(pipe) == ["draft_model", "ngram", "auto", "recompute"]
+    assert greedy_methods(pipe) == ["draft_model", "ngram", "suffix", "auto", "recompute"]
     lookup = Pipeline(toy_preset(tmp_path, tiny_folders, lookup_first=True), pipe.target,
                       pipe.draft).engine("recompute").drafters
     assert [type(member) for member in lookup] == [NgramDrafter, RecomputeDrafter]

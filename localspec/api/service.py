@@ -196,7 +196,7 @@ class ApiService:
     def _generate(self, link: _Link, cancel: threading.Event) -> None:
         """The generation itself, on the host's engine thread (the lock is held): each event
         counted, saved when asked, and handed to the consumer straight from there."""
-        deliver = _Delivery(link, self._saved(link.job))
+        deliver = _Delivery(link, self._saved(link.job), self.host.remember_answer)
         stream = link.job.pipeline.stream(link.job.request, link.job.drafters,
                                           cancelled=lambda: cancel.is_set() or link.gone())
         for event in stream:
@@ -206,7 +206,7 @@ class ApiService:
     def _in_slot(self, link: _Link, cancel: threading.Event, scheduler: Scheduler) -> None:
         """The generation in one of the host's parallel slots (``localspec.slots``): its
         events come from the scheduler's thread as the batch steps; this worker waits."""
-        deliver = _Delivery(link, self._saved(link.job))
+        deliver = _Delivery(link, self._saved(link.job), self.host.remember_answer)
         failed: list[Exception] = []
 
         def sink(outcome: Outcome) -> None:
@@ -278,10 +278,14 @@ class _Delivery:
     """A job's events on their way out: counted in its stats, saved when asked, handed to
     the consumer; ``close`` ends the saved answer."""
 
-    def __init__(self, link: _Link, saved: SavedRequest | None) -> None:
-        self.link, self.saved = link, saved
+    def __init__(self, link: _Link, saved: SavedRequest | None,
+                 learn: Callable[[Pipeline, list[int], list[int]], None] = lambda *_: None
+                 ) -> None:
+        """``learn``: given the saved answer's tokens at its end (``remember_answer``)."""
+        self.link, self.saved, self.learn = link, saved, learn
         self.start = time.perf_counter()
         self.finish: str | None = None
+        self.token_ids: list[int] = []
 
     def __call__(self, event: StepEvent) -> None:
         job = self.link.job
@@ -290,12 +294,15 @@ class _Delivery:
         if self.saved is not None:
             self.saved.add(event.text_delta, len(event.tokens))
             self.finish = event.finish_reason or self.finish
+            self.token_ids.extend(event.tokens)
         self.link.put(event)
 
     def close(self) -> None:
         if self.saved is not None:
             self.saved.finish(self.finish, answer_summary(self.link.job.method,
                                                           self.link.job.stats))
+            job = self.link.job
+            self.learn(job.pipeline, self.token_ids, job.request.prompt_ids)
 
 
 def _put_all(queue: asyncio.Queue, items: list[object]) -> None:

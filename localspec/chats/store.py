@@ -333,6 +333,21 @@ class ChatStore:
                 added += 1
         return added, len(conversations) - added
 
+    def answer_texts(self, max_chars: int) -> list[str]:
+        """The newest complete answers of live conversations whose texts add up to at most
+        ``max_chars`` characters, oldest first (what the suffix drafter learns at start)."""
+        texts, total = [], 0
+        with self._transaction(write=False) as conn:
+            for (content,) in conn.execute(
+                    "SELECT m.content FROM messages m JOIN conversations c ON c.id = "
+                    "m.conversation_id WHERE c.deleted_ms IS NULL AND m.role = 'assistant' AND "
+                    "m.complete = 1 AND m.content != '' ORDER BY m.updated_ms DESC, m.id DESC"):
+                total += len(content)
+                if total > max_chars:
+                    break
+                texts.append(content)
+        return texts[::-1]
+
     # ------------------------------------------------------------------ messages
 
     def append(self, conversation: int, message: Message) -> int:

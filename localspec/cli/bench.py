@@ -31,6 +31,7 @@ from localspec.cli.bench_api import (
     format_api,
     summarise_api,
 )
+from localspec.cli.bench_history import BenchHistory
 from localspec.config import CPU_QUANTIZATIONS, Preset, unquantized_target
 from localspec.drafters.simulated import SimulatedDrafter
 from localspec.errors import ConfigError, PresetError
@@ -219,12 +220,14 @@ def run_bench(
     log: Callable[[str], None] = lambda _line: None,
     hf_pipe: Pipeline | None = None,
     via_api: ApiRunner | None = None,
+    history: BenchHistory | None = None,
 ) -> dict[str, Any]:
     """Run all methods on all prompts ``repeats`` (>= 1) times; summarise per method.
     Methods and prompts are checked before the first run; hf-* methods run on ``hf_pipe``
     (default: ``pipe``). With ``via_api`` (``bench_api.api_runner``; our methods only), each
     run is followed by the same one through the API, summarised under ``"api"``; then every
-    direct run is on the API's engine thread, as the API's generations are."""
+    direct run is on the API's engine thread, as the API's generations are. ``history``: the
+    earlier answers each prompt runs with (``bench_history``; None: the history stays empty)."""
     methods = check_methods(pipe.preset, methods)
     if via_api is not None:
         check_api_methods(methods)
@@ -232,6 +235,8 @@ def run_bench(
         else _now
     hf_pipe = hf_pipe or pipe
     encoded = on_engine(partial(encode_prompts, pipe, prompts, max_new_tokens))
+    if history is not None:
+        history.before(0)
     # Warm-up of every method: first calls pay for allocations, lazy initialisation (and on a
     # GPU, kernel selection), which would otherwise count against whichever method runs first.
     reference = on_engine(partial(_run_ours, pipe, "none", encoded[0], WARM_UP_TOKENS))["token_ids"]
@@ -244,11 +249,15 @@ def run_bench(
     api_runs: dict[tuple[int, str], list[dict[str, Any]]] = {}
     for rep in range(repeats):
         for i, prompt_ids in enumerate(encoded):
+            if history is not None:
+                history.before(i)
             for method in methods:  # "none" first: its tokens are the simulated drafts' truth
                 reference = runs[(i, "none")][-1]["token_ids"] if method != "none" else None
                 run = on_engine(partial(_run_one, pipe, hf_pipe, method, prompt_ids,
                                     max_new_tokens, reference))
                 runs.setdefault((i, method), []).append(run)
+                if history is not None and method == "none":
+                    history.answered(i, prompt_ids, run["token_ids"])
                 log(f"[{rep + 1}/{repeats}] prompt {i + 1}/{len(encoded)} {method:12s} "
                     f"{run['tokens_per_second']:6.2f} tok/s  {len(run['token_ids'])} tokens")
                 if via_api is not None:  # the same run through the API, right after
@@ -258,6 +267,8 @@ def run_bench(
                         f"{api_run['tokens_per_second']:6.2f} tok/s  {api_run['new_tokens']} "
                         "tokens via API")
     report = summarise(prompts, methods, runs)
+    if history is not None:
+        report["history"] = history.describe()
     if via_api is not None:
         report["api"] = summarise_api(prompts, methods, runs, api_runs)
     if hf_pipe is not pipe:
@@ -329,6 +340,8 @@ def format_table(report: dict[str, Any]) -> str:
                      f"{_fmt(r['speedup'], '7.2f')}x {_fmt(r['acceptance_rate'], '7.0%')} "
                      f"{_fmt(r['mean_accepted_length'], '9.2f')}  "
                      f"{'yes' if r['identical_to_none'] else 'NO'}")
+    if "history" in report:
+        lines.append(report["history"])
     if "hf_target" in report:
         lines.append(f"hf-* methods ran on {report['hf_target']}, not the served target: "
                      "their tokens are that model's")

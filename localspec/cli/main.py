@@ -90,6 +90,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         run_bench,
     )
     from localspec.cli.bench_api import api_runner, check_api_methods, run_alone
+    from localspec.cli.bench_history import BenchHistory
 
     if args.bandwidth:
         from localspec.cli.bench_bandwidth import run_bandwidth
@@ -122,9 +123,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     pipe = run_alone(load) if args.api else load()  # bench_api says why
     with contextlib.ExitStack() as stack:
         via_api = stack.enter_context(api_runner(pipe, args.preset)) if args.api else None
+        history = (BenchHistory(pipe, args.history, args.history_session)
+                   if args.history is not None or args.history_session else None)
         report = run_bench(pipe, prompts, methods, args.max_new_tokens, args.repeats,
                            log=_log_line, hf_pipe=hf_pipeline(pipe, methods, load_pipeline),
-                           via_api=via_api)
+                           via_api=via_api, history=history)
     print(json.dumps(report, ensure_ascii=False) if args.json else format_table(report))
     return 0
 
@@ -258,6 +261,14 @@ def build_parser() -> argparse.ArgumentParser:
                             "that are the target's own greedy tokens, each kept with "
                             "probability A (engine overhead at a realistic acceptance, e.g. "
                             "on random weights); output stays exact")
+    bench.add_argument("--history", default=None, metavar="PATH",
+                       help="the suffix drafter's history of earlier answers: those of a "
+                            "conversations .db or of a JSONL prompt file's assistant messages "
+                            "(default: empty; the bench never learns its own answers)")
+    bench.add_argument("--history-session", action="store_true",
+                       help="the prompts are one session: each runs with the plain answers of "
+                            "the prompts before it in the history (see localspec/data/"
+                            "multiturn.jsonl)")
     bench.add_argument("--bandwidth", action="store_true",
                        help="instead: this machine's read bandwidth and each native kernel's "
                             "share of it (one row through the 1.5B's layers, per GGUF type)")

@@ -160,7 +160,11 @@ def add_serve(sub: argparse._SubParsersAction, handler: Handler) -> None:
                             "target passes; each answer is the one it gets alone (default 1)")
     serve.add_argument("--save-chats", action="store_true",
                        help="save each chat request and its answer with the app's "
-                            f"conversations (${DATA_ENV}/{CHATS_FILE}; off by default)")
+                            f"conversations (${DATA_ENV}/{CHATS_FILE}; off by default); "
+                            "the suffix drafter then also learns from the saved answers")
+    serve.add_argument("--no-history-drafts", action="store_true",
+                       help="with --save-chats: the suffix drafter reads no saved answers "
+                            "(nothing but this request's own text)")
     serve.set_defaults(func=handler)
 
 

@@ -4,7 +4,9 @@ The port is bound and the preset file read before anything loads (a taken port o
 no model load and ends with exit 2); the models then load in the background while the server
 already answers (503 with Retry-After until they are ready, so a client can wait for them).
 With ``--save-chats`` each chat request is saved with the app's conversations; a store that
-cannot be opened is then an error (exit 2), since saving was asked for.
+cannot be opened is then an error (exit 2), since saving was asked for. The saved answers are
+then the suffix drafter's history too (read at load, added to as answers finish), unless
+``--no-history-drafts``.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ def run_serve(args: argparse.Namespace) -> int:
     key = api_key(args.api_key)
     store = ChatStore() if args.save_chats else None
     sock = bind(args.host, args.port)
-    model_host = ModelHost(parallel=args.parallel)
+    history = None if getattr(args, "no_history_drafts", False) else store
+    model_host = ModelHost(parallel=args.parallel, history=history)
     app = root_app(create_api(model_host, key, args.max_queued, store))
     model_host.load_async(args.preset)
     threading.Thread(target=_report_load, args=(model_host, args.preset), daemon=True).start()

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import torch
 
 from localspec.config import Preset
+from localspec.drafters.suffix_index import AnswerHistory
 from localspec.engine.drafter import Drafter, DrafterTraits, Outlook, Proposal
 from localspec.runtime.runner import ModelRunner
 from localspec.sampling import SamplingParams, logits_to_probs, sample
@@ -257,6 +258,11 @@ class BuildContext(Protocol):
 
     def draft_vocab_size(self) -> int:
         """Rows of the draft model's LM head; PresetError if no draft model is loaded."""
+        ...
+
+    def answer_history(self) -> AnswerHistory | None:
+        """The user's earlier answers, shared by the pipeline's engines (the suffix
+        drafter's global index); None when ``[localspec] history_drafts`` is off."""
         ...
 
     def draft_runner(self, vocab_rows: torch.Tensor | None = None) -> ModelRunner:

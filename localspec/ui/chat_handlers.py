@@ -149,6 +149,8 @@ class ChatHandlers:
                 else "The model's answer was empty."), saver, **shown)
             return
         saver.finished(answer)
+        if saver.store is not None and not saver.problem:  # saved: the history learns it too
+            turns.host.remember_answer(pipe, answer.token_ids, started[0].prompt_ids)
         history = self._with_answer(turn.messages, answer.text)
         notice = answer.error or ("Stopped." if answer.stopped else "")
         yield view(ChatView, history=history, chat=chat_html(history),

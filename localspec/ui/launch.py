@@ -40,6 +40,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--parallel", type=parallel, default=1,
                         help="API requests (under /v1) generated at once, sharing target "
                              "passes; the page's own answers stay one at a time (default 1)")
+    parser.add_argument("--no-history-drafts", action="store_true",
+                        help="the suffix drafter reads no saved answers (by default it learns "
+                             "from your conversations, on this machine only)")
     return parser.parse_args(argv)
 
 
@@ -55,14 +58,14 @@ def main(argv: list[str] | None = None) -> None:
     from localspec.models.hardware import detect_hardware
     from localspec.ui.app import APP_CSS, build_app
 
-    host = ModelHost(parallel=args.parallel)
-    host.load_async(args.preset)
     store, problem = None, ""
     try:
         store = ChatStore()
     except ChatStoreError as exc:
         problem = str(exc)
         logging.getLogger(__name__).warning("%s", exc)
+    host = ModelHost(parallel=args.parallel, history=None if args.no_history_drafts else store)
+    host.load_async(args.preset)
     key = api_key(args.api_key)
     shown = f"[{args.host}]" if ":" in args.host else args.host
     demo = build_app(host, detect_hardware(), args.preset,

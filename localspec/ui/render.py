@@ -48,6 +48,7 @@ CSS = """
 .ls-legend { display: flex; flex-wrap: wrap; gap: 10px; font-size: 0.85em; margin: 4px 0; }
 .ls-legend .ls-tok { padding: 0 4px; }
 .ls-by-ngram { text-decoration: underline dotted; }
+.ls-by-suffix { text-decoration: underline dashed; }
 .ls-stats table { width: 100%; font-size: 0.9em; border-collapse: collapse; }
 .ls-stats td { padding: 2px 6px; border-bottom: 1px solid var(--border-color-primary); }
 .ls-stats td.ls-num { text-align: right; font-variant-numeric: tabular-nums; }
@@ -97,7 +98,8 @@ def legend_html() -> str:
     items = "".join(f'<span class="ls-tok ls-{kind}">{html.escape(KIND_LABELS[kind])}</span>'
                     for kind in KINDS)
     lookup = ('<span class="ls-tok ls-by-ngram">dotted: guessed by n-gram lookup</span> '
-              "(hover a token: which drafter guessed it)")
+              '<span class="ls-tok ls-by-suffix">dashed: by the suffix tree (this chat, your '
+              "earlier answers)</span> (hover a token: which drafter guessed it)")
     return f'<div class="ls-legend">{items}{lookup}</div>'
 
 
