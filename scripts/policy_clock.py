@@ -12,7 +12,8 @@ steps of this answer's (``choice.LEARNT_PRIOR_WEIGHT``), ``nolearnt`` leaves tha
 ``rent3`` and ``allow6`` set ``choice.CATCH_UP_RENT`` and ``CATCH_UP_ALLOWANCE`` (``rent1+allow0``:
 the whole lost step as rent, no allowance), ``long12`` sets ``ngram.LONG_MATCH`` (``long0``: no
 second grade of lookup's evidence), ``copy0.9`` and ``copyw4`` the prior of that grade's
-estimator (``choice.LONG_COPY_PRIOR``, ``LONG_COPY_WEIGHT``); joined with ``+``).
+estimator (``choice.LONG_COPY_PRIOR``, ``LONG_COPY_WEIGHT``), ``sufmin4`` the shortest match the
+suffix drafter drafts from (``suffix.MIN_MATCH``); joined with ``+``).
 
 Without ``--noise`` the clock has none, and noise is what ``DRAFT_MARGIN`` and the stall guards
 exist for; ``--noise SIGMA`` multiplies the cost of each step's forward (not a prefill's) by a
@@ -40,7 +41,7 @@ import localspec.drafters.base as drafter_base
 import localspec.engine.adaptive as adaptive
 import localspec.engine.choice as choice
 import localspec.engine.engine as engine
-from localspec.drafters import ngram
+from localspec.drafters import ngram, suffix
 from localspec.drafters.base import Calibration
 from localspec.pipeline import Pipeline
 from localspec.presets import load_preset
@@ -130,6 +131,7 @@ def apply(variant: str, defaults: dict[str, Any]) -> float | None:
     choice.CATCH_UP_ALLOWANCE = defaults["allowance"]
     Calibration.kept_share = defaults["share"]
     ngram.LONG_MATCH = defaults["long"]
+    suffix.MIN_MATCH = defaults["sufmin"]
     choice.LONG_COPY_PRIOR, choice.LONG_COPY_WEIGHT = defaults["copy"], defaults["copyw"]
     for part in variant.split("+"):
         if part.startswith("margin"):
@@ -152,6 +154,8 @@ def apply(variant: str, defaults: dict[str, Any]) -> float | None:
             choice.LONG_COPY_WEIGHT = float(part.removeprefix("copyw"))
         elif part.startswith("copy"):
             choice.LONG_COPY_PRIOR = float(part.removeprefix("copy"))
+        elif part.startswith("sufmin"):
+            suffix.MIN_MATCH = int(part.removeprefix("sufmin"))
         elif part.startswith("tau"):
             threshold = float(part.removeprefix("tau"))
         elif part != "base":
@@ -184,8 +188,8 @@ def main() -> int:
                 "order": choice.DrafterChoice.order,
                 "weight": choice.LEARNT_PRIOR_WEIGHT, "rent": choice.CATCH_UP_RENT,
                 "allowance": choice.CATCH_UP_ALLOWANCE, "share": Calibration.kept_share,
-                "long": ngram.LONG_MATCH, "copy": choice.LONG_COPY_PRIOR,
-                "copyw": choice.LONG_COPY_WEIGHT}
+                "long": ngram.LONG_MATCH, "sufmin": suffix.MIN_MATCH,
+                "copy": choice.LONG_COPY_PRIOR, "copyw": choice.LONG_COPY_WEIGHT}
     undo = clock.install()
 
     def clocked(ids: list[int], method: str) -> float:

@@ -46,6 +46,8 @@ from localspec.sampling import SamplingParams
 # Evidence grades (``Outlook.sure``) by the match's length: as n-gram lookup's (its longest
 # n-gram, 4 by default, and LONG_MATCH, a copy under way).
 SURE_MATCH, LONG_MATCH = 4, 8
+# The shortest match it drafts from (shorter ones: n-gram lookup's ground, weak evidence)
+MIN_MATCH = 1
 
 
 def grow_tree(rows: np.ndarray, depth: int, budget: int, width: int, min_prob: float
@@ -172,7 +174,7 @@ class SuffixDrafter(Drafter):
     def propose(self, context: list[int], k: int, params: SamplingParams,
                 generator: torch.Generator, width: int = 1) -> Proposal:
         found = self.match(context) if k > 0 else NO_MATCH
-        if found.length == 0:
+        if found.length < max(1, MIN_MATCH):
             return Proposal([])
         depth = min(k, self.max_depth, max(1, int(found.length * self.max_spec_factor)))
         width = width if params.greedy else 1
